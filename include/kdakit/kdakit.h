@@ -1,0 +1,61 @@
+// kdakit: Kimi Delta Attention kernels. The public C++ API.
+//
+// Every entry point validates its params (throwing kdakit::InvalidArgument naming the argument), then
+// dispatches on the tensors' device: CPU tensors run the CPU backend, CUDA tensors the CUDA backend of the
+// device's architecture (kdakit::NotBuilt if this build has none). `stream` is a cudaStream_t (ignored,
+// and may be null, for CPU tensors).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kdakit/error.h"
+#include "kdakit/params.h"
+#include "kdakit/tensor.h"
+
+namespace kdakit {
+
+// Dimensions derived from validated params.
+struct Problem {
+  int64_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
+  int64_t N = 0;           // sequences
+  int64_t group = 1;       // HV / H
+  int64_t T_max = 0;       // tokens per sequence (fixed length) or the indices' T_max (decode, 2-D)
+  int64_t num_chunks = -1; // total chunks over all sequences, or -1 when unknown without reading
+                           // device-side cu_seqlens
+  bool varlen = false;
+  Device device = Device::kCPU;
+  int device_index = 0;
+};
+
+// Validation: one function per op. Each returns the problem's dimensions or throws InvalidArgument.
+Problem validate(const ForwardParams& p);
+Problem validate(const BackwardParams& p);
+Problem validate(const DecodeParams& p);
+
+// Scratch memory an op needs in `workspace` (bytes). Validates the params.
+std::size_t forward_workspace_size(const ForwardParams& p);
+std::size_t backward_workspace_size(const BackwardParams& p);
+
+// The ops. Outputs are written into the caller's tensors.
+void forward(const ForwardParams& p, void* stream = nullptr);
+void backward(const BackwardParams& p, void* stream = nullptr);
+void decode(const DecodeParams& p, void* stream = nullptr);
+
+// The specification, CPU only: the token recurrence of SPEC §1.4 in float64. Same params and outputs as
+// forward() (intermediate_states are the states before every chunk_size-th token).
+void reference_forward(const ForwardParams& p);
+
+// Number of chunks of every sequence given host-side sequence boundaries.
+int64_t count_chunks(const std::vector<int64_t>& cu_seqlens, int chunk_size);
+
+// Build information.
+bool cuda_available();  // built with CUDA kernels and a device is visible
+const char* version();
+
+// Threads the CPU backend uses (default: the hardware concurrency).
+void set_cpu_threads(int n);
+int cpu_threads();
+
+}  // namespace kdakit

@@ -1,0 +1,113 @@
+// Parameters of the three KDA operations: the chunked forward (prefill / training forward), its backward,
+// and decode / speculative verify. One struct per op carries every option from Python to the kernel.
+//
+// Shapes (SPEC.md §1.1): q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV]; HV % H == 0 and
+// v-head hv reads q/k head hv / (HV/H). With `cu_seqlens` ([N+1]) the batch must be 1 and holds N packed
+// sequences; otherwise N = B. A state is [K,V] per (sequence, v-head), or [V,K] in the v-first layout.
+#pragma once
+
+#include <cstdint>
+
+#include "kdakit/tensor.h"
+
+namespace kdakit {
+
+constexpr int kMaxHeadDim = 256;
+
+enum class StateLayout : int32_t {
+  kKV = 0,  // [.., K, V]: element (dk, dv) at dk*V + dv (FLA's default)
+  kVK = 1,  // [.., V, K]: "v-first", what serving engines store (FLA's state_v_first=True)
+};
+
+enum class GateMode : int32_t {
+  kPreGated = 0,    // g is the per-token natural-log decay itself (expected <= 0)
+  kSoftplus = 1,    // gate = -exp(A_log[hv]) * softplus(g + dt_bias)        (A_log required)
+  kLowerBound = 2,  // gate = lower_bound * sigmoid(exp(A_log[hv]) * (g + dt_bias)); A_log optional
+};
+
+struct GateParams {
+  GateMode mode = GateMode::kPreGated;
+  TensorView A_log;    // HV elements, any contiguous shape (e.g. [HV] or [1,1,HV,1]); float dtype
+  TensorView dt_bias;  // HV*K elements, [HV*K] or [HV,K]; optional; float dtype
+  float lower_bound = -5.0f;  // used by kLowerBound; must be < 0
+};
+
+// The inputs every op shares.
+struct KdaInputs {
+  TensorView q, k;  // [B,T,H,K]
+  TensorView v;     // [B,T,HV,V]
+  TensorView g;     // [B,T,HV,K]: log-decay (kPreGated) or the raw gate input
+  TensorView beta;  // [B,T,HV] (decode also accepts a per-value-column beta [B,T,HV,V])
+  float scale = 0.0f;  // required; the usual value is default_scale(K) = K^-0.5
+  GateParams gate;
+  bool qk_l2norm = false;         // q, k <- x * rsqrt(sum x^2 + 1e-6) per head, in kernel
+  bool beta_sigmoid = false;      // beta is a logit: beta <- sigmoid(beta)
+  bool allow_neg_eigval = false;  // beta <- 2 * sigmoid(beta); requires beta_sigmoid
+  TensorView cu_seqlens;          // optional [N+1] int32/int64 on the tensors' device
+  TensorView cu_seqlens_host;     // optional host copy of cu_seqlens (spares a device-to-host copy)
+};
+
+// Where states come from and go to. Sequence n reads initial_state[slot(n)] and writes
+// final_state[slot(n)], with slot(n) = n without indices and state_indices[n] with them; a slot of -1
+// neither reads nor writes (the sequence starts from zero and its final state is dropped).
+// Passing the same tensor as initial and final state updates a state pool in place.
+struct StateIO {
+  StateLayout layout = StateLayout::kKV;
+  TensorView initial_state;      // optional [P,HV,K,V] (or [P,HV,V,K]); float32 or bfloat16
+  TensorView final_state;        // optional, same shape rules and dtypes
+  TensorView state_indices;      // optional int32/int64: [N] (forward, decode) or [N,T_max] (decode)
+  TensorView has_initial_state;  // optional [N] bool/uint8/int32/int64: false starts from zero
+};
+
+struct ForwardParams {
+  KdaInputs in;
+  StateIO state;
+  int chunk_size = 64;     // 32 or 64
+  bool safe_gate = false;  // caller promises gates in [lower_bound, 0); validates lower_bound (SPEC §3.4)
+  TensorView out;          // required [B,T,HV,V], any float dtype
+  // Optional [B,NT,HV,K,V] (varlen: [1,NT_total,HV,K,V]; v-first per state.layout): the state at the
+  // start of every chunk. Float dtype.
+  TensorView intermediate_states;
+  void* workspace = nullptr;  // see forward_workspace_size()
+  std::size_t workspace_bytes = 0;
+};
+
+struct BackwardParams {
+  KdaInputs in;
+  StateLayout layout = StateLayout::kKV;
+  TensorView initial_state;  // optional [N,HV,K,V] (or v-first), as in the forward
+  int chunk_size = 64;
+  bool safe_gate = false;
+  TensorView d_out;          // required [B,T,HV,V]
+  TensorView d_final_state;  // optional [N,HV,K,V] (or v-first)
+  // Gradients (outputs). dq, dk, dv, dg, dbeta are required; the others follow their inputs:
+  TensorView dq, dk;          // [B,T,H,K]
+  TensorView dv;              // [B,T,HV,V]
+  TensorView dg;              // [B,T,HV,K] (w.r.t. the raw gate input when the gate is in kernel)
+  TensorView dbeta;           // [B,T,HV] (w.r.t. the logit when beta_sigmoid)
+  TensorView dA_log;          // required iff gate.A_log is given and the gate is in kernel; A_log's shape
+  TensorView ddt_bias;        // required iff gate.dt_bias is given and the gate is in kernel
+  TensorView d_initial_state; // required iff initial_state is given
+  void* workspace = nullptr;  // see backward_workspace_size()
+  std::size_t workspace_bytes = 0;
+};
+
+// Decode and speculative verify: a few tokens per sequence against a state pool.
+// With 2-D state_indices [N,T_max] the state is read from slot state_indices[n, a_n - 1]
+// (a_n = num_accepted_tokens[n], or 1 without it) and written after every token t to
+// state_indices[n, t]; with 1-D indices it is read from and written to slot state_indices[n].
+struct DecodeParams {
+  KdaInputs in;
+  StateIO state;
+  TensorView num_accepted_tokens;  // optional [N] int32/int64, 1 <= a_n <= T_max; needs 2-D indices
+  TensorView out;                  // required [B,T,HV,V]
+  // Optional [B*T,HV,K,V] (or v-first): the state after every token, for committing an accepted prefix
+  // later (verify: leave state.final_state empty so the committed pool is not touched).
+  TensorView token_states;
+};
+
+inline float default_scale(int64_t head_dim_k) {
+  return head_dim_k > 0 ? 1.0f / __builtin_sqrtf(static_cast<float>(head_dim_k)) : 0.0f;
+}
+
+}  // namespace kdakit
