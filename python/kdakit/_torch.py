@@ -1,0 +1,81 @@
+"""Shared helpers of the torch layer: tensors to kdakit views, params, workspaces and streams."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _C
+
+def view(t: Optional[torch.Tensor]):
+    """A kdakit view of a tensor (None: absent)."""
+    if t is None:
+        return _C.TensorView()
+    return _C.view(t.detach())
+
+
+def stream_of(t: torch.Tensor) -> int:
+    if t.device.type == "cuda":
+        return torch.cuda.current_stream(t.device).cuda_stream
+    return 0
+
+
+def workspace(nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
+    if nbytes == 0:
+        return None
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+# kdakit::GateMode values as plain ints (traceable by torch.compile, unlike the binding's enum).
+PRE_GATED, SOFTPLUS, LOWER_BOUND = 0, 1, 2
+
+
+def gate_mode(use_gate_in_kernel: bool, lower_bound: Optional[float]) -> int:
+    if not use_gate_in_kernel:
+        return PRE_GATED
+    return LOWER_BOUND if lower_bound is not None else SOFTPLUS
+
+
+def fill_inputs(inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale: float, gate: int,
+                lower_bound: float, qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool) -> None:
+    inputs.q = view(q)
+    inputs.k = view(k)
+    inputs.v = view(v)
+    inputs.g = view(g)
+    inputs.beta = view(beta)
+    inputs.scale = scale
+    gp = inputs.gate
+    gp.mode = _C.GateMode(gate)
+    gp.A_log = view(A_log)
+    gp.dt_bias = view(dt_bias)
+    gp.lower_bound = lower_bound
+    inputs.qk_l2norm = qk_l2norm
+    inputs.beta_sigmoid = beta_sigmoid
+    inputs.allow_neg_eigval = allow_neg_eigval
+    inputs.cu_seqlens = view(cu_seqlens)
+    inputs.cu_seqlens_host = view(cu_seqlens_cpu)
+
+
+def layout(state_v_first: bool):
+    return _C.StateLayout.VK if state_v_first else _C.StateLayout.KV
+
+
+def num_sequences(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> int:
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def state_shape(n: int, HV: int, K: int, V: int, state_v_first: bool):
+    return (n, HV, V, K) if state_v_first else (n, HV, K, V)
+
+
+def host_cu_seqlens(cu_seqlens: torch.Tensor, cu_seqlens_cpu: Optional[torch.Tensor]) -> list:
+    """Sequence boundaries on the host (a device-to-host copy unless cu_seqlens_cpu is given)."""
+    src = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+    return [int(x) for x in src.tolist()]
+
+
+def num_chunks(T: int, B: int, cu: Optional[list], chunk_size: int) -> int:
+    """Chunks per batch row (fixed length) or in total (varlen)."""
+    if cu is None:
+        return (T + chunk_size - 1) // chunk_size
+    return _C.count_chunks(cu, chunk_size)

@@ -1,0 +1,158 @@
+"""`chunk_kda`: FLA's chunked KDA with FLA's exact signature (SPEC §5.1), plus kdakit's serving arguments."""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from . import _C
+from ._torch import gate_mode, host_cu_seqlens, num_chunks, num_sequences, state_shape
+from .ops import chunk_fwd_into
+
+InvalidArgumentError = _C.InvalidArgumentError
+
+_KNOWN_KWARGS = {"A_log", "dt_bias", "chunk_size", "transpose_state_layout", "ssm_state_indices",
+                 "has_initial_state", "inplace_final_state", "out"}
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def resolve_state_layout(state_v_first: bool, kwargs: dict) -> bool:
+    """FLA's deprecated alias `transpose_state_layout` (SPEC §1.6)."""
+    if "transpose_state_layout" in kwargs:
+        alias = kwargs.pop("transpose_state_layout")
+        if state_v_first:
+            raise ValueError("pass either `state_v_first` or the deprecated `transpose_state_layout`, not both")
+        warnings.warn("`transpose_state_layout` is deprecated; use `state_v_first`", DeprecationWarning, stacklevel=3)
+        return bool(alias)
+    return state_v_first
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: Optional[float] = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    cp_context=None,
+    **kwargs,
+):
+    """Chunked KDA forward (with autograd), FLA-compatible.
+
+    Args are FLA's (SPEC §5.1); keyword-only extras: ``A_log``, ``dt_bias``, ``chunk_size`` (32 or 64) and
+    ``transpose_state_layout`` (deprecated alias of ``state_v_first``), and kdakit's serving arguments:
+
+    - ``ssm_state_indices`` ([N] int): ``initial_state`` is a state pool; sequence n starts from slot
+      ``ssm_state_indices[n]`` and its final state is written back to that slot in place (-1: start from zero,
+      write nothing). ``inplace_final_state`` must be True (the default) in this mode.
+    - ``has_initial_state`` ([N] bool): False starts that sequence from zero.
+    - ``out``: a caller-provided output buffer [B,T,HV,V].
+
+    The serving arguments, like ``return_intermediate_states``, are inference-only.
+
+    Returns ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``; ``h`` holds the
+    state at the start of every chunk, ``[B,NT,HV,K,V]`` (varlen ``[1,NT_total,...]``) in k's dtype.
+    """
+    state_v_first = resolve_state_layout(state_v_first, kwargs)
+    unknown = set(kwargs) - _KNOWN_KWARGS
+    if unknown:
+        raise TypeError(f"chunk_kda() got unexpected keyword arguments: {sorted(unknown)}")
+    A_log = kwargs.pop("A_log", None)
+    dt_bias = kwargs.pop("dt_bias", None)
+    chunk_size = kwargs.pop("chunk_size", 64)
+    ssm_state_indices = kwargs.pop("ssm_state_indices", None)
+    has_initial_state = kwargs.pop("has_initial_state", None)
+    inplace_final_state = kwargs.pop("inplace_final_state", None)
+    out = kwargs.pop("out", None)
+
+    if cp_context is not None:
+        if initial_state is not None:
+            raise InvalidArgumentError("initial_state: must be None with cp_context (context parallelism)")
+        if output_final_state:
+            raise InvalidArgumentError("output_final_state: must be False with cp_context (context parallelism)")
+        if getattr(cp_context, "cu_seqlens", None) is None:
+            raise InvalidArgumentError("cp_context: its cu_seqlens must be set")
+        raise NotImplementedError("cp_context: multi-GPU context parallelism is not available in this kdakit version")
+    if lower_bound is not None and not use_gate_in_kernel and not safe_gate:
+        raise InvalidArgumentError(
+            f"lower_bound: {lower_bound} has no effect on a pre-gated g (use_gate_in_kernel=False); pass it with "
+            "use_gate_in_kernel=True, or with safe_gate=True to state the bound of g")
+    if lower_bound is not None and not use_gate_in_kernel and not (-5.0 <= lower_bound < 0.0):
+        raise InvalidArgumentError(f"lower_bound: safe_gate=True needs lower_bound in [-5, 0), got {lower_bound}")
+    if return_intermediate_states:
+        if disable_recompute:
+            raise InvalidArgumentError(
+                "return_intermediate_states: cannot be combined with disable_recompute=True")
+        if not torch.is_inference_mode_enabled():
+            raise InvalidArgumentError(
+                "return_intermediate_states: is inference-only; call chunk_kda under torch.inference_mode()")
+    if not isinstance(chunk_size, int):
+        raise InvalidArgumentError(f"chunk_size: `chunk_size` must be either 32 or 64, got {chunk_size!r}")
+
+    K = q.shape[-1]
+    scale = float(K ** -0.5 if scale is None else scale)
+    gate = gate_mode(use_gate_in_kernel, lower_bound)
+    lb = float(lower_bound) if (lower_bound is not None and use_gate_in_kernel) else -5.0
+    varlen = cu_seqlens is not None
+    chunks = -1
+    if return_intermediate_states:
+        cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu) if varlen else None
+        chunks = num_chunks(q.shape[1], q.shape[0], cu, chunk_size)
+
+    serving = ssm_state_indices is not None or has_initial_state is not None or out is not None
+    if not serving:
+        o, ht, h = torch.ops.kdakit.chunk_fwd(
+            q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, gate, lb,
+            use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, chunk_size,
+            state_v_first, output_final_state, chunks)
+        ht = ht if output_final_state else None
+        return (o, ht, h) if return_intermediate_states else (o, ht)
+
+    # Serving prefill: caller buffers and/or a state pool, in place. Inference only.
+    if _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        raise InvalidArgumentError(
+            "ssm_state_indices/has_initial_state/out: the serving forward has no autograd; call it under "
+            "torch.no_grad() or torch.inference_mode()")
+    if inplace_final_state is False and ssm_state_indices is not None:
+        raise InvalidArgumentError(
+            "inplace_final_state: with ssm_state_indices the final states are written back into the pool "
+            "(initial_state); inplace_final_state=False is not supported here")
+    if ssm_state_indices is not None and initial_state is None:
+        raise InvalidArgumentError("ssm_state_indices: needs the state pool as initial_state")
+    B, T, _, _ = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if out is None:
+        out = q.new_empty((B, T, HV, V))
+    final_is_initial = ssm_state_indices is not None
+    final_state = None
+    if final_is_initial:
+        final_state = initial_state
+    elif output_final_state:
+        final_state = q.new_empty(state_shape(num_sequences(q, cu_seqlens), HV, K, V, state_v_first),
+                                  dtype=torch.float32)
+    h = None
+    if return_intermediate_states:
+        h = q.new_empty((1 if varlen else B, chunks) + state_shape(1, HV, K, V, state_v_first)[1:], dtype=k.dtype)
+    chunk_fwd_into(q, k, v, g, beta, A_log, dt_bias, None if final_is_initial else initial_state, out, final_state, h,
+                   cu_seqlens, cu_seqlens_cpu, ssm_state_indices, has_initial_state, final_is_initial, scale, gate,
+                   lb, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, chunk_size,
+                   state_v_first)
+    ret_final = final_state if (output_final_state or final_is_initial) else None
+    return (out, ret_final, h) if return_intermediate_states else (out, ret_final)

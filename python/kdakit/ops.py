@@ -1,0 +1,219 @@
+"""torch custom ops over the kdakit C++ API, with fake implementations for torch.compile and the autograd
+formula of the chunked forward.
+
+- ``kdakit::chunk_fwd``: functional chunked forward, differentiable (backward: ``kdakit::chunk_bwd``).
+- ``kdakit::chunk_fwd_into``: chunked forward into caller buffers: ``out=``, a state pool read and written in
+  place through slot indices, intermediate states. No autograd.
+- ``kdakit::recurrent_fwd_into``: decode / speculative verify into caller buffers. No autograd.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C
+from ._torch import PRE_GATED, fill_inputs, layout, num_sequences, state_shape, stream_of, view, workspace
+
+# ----------------------------------------------------------------------------------------------------------
+# Chunked forward, functional and differentiable.
+
+
+def _chunk_outputs(q, v, N, output_final_state, num_chunks, state_v_first, varlen, h_dtype):
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o = q.new_empty((B, T, HV, V))
+    ht = q.new_empty(state_shape(N, HV, K, V, state_v_first), dtype=torch.float32) if output_final_state \
+        else q.new_empty((0,), dtype=torch.float32)
+    if num_chunks >= 0:
+        h = q.new_empty((1 if varlen else B, num_chunks) + state_shape(1, HV, K, V, state_v_first)[1:], dtype=h_dtype)
+    else:
+        h = q.new_empty((0,), dtype=h_dtype)
+    return o, ht, h
+
+
+@torch.library.custom_op("kdakit::chunk_fwd", mutates_args=())
+def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
+              dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+              cu_seqlens_cpu: Optional[Tensor], scale: float, gate: int, lower_bound: float, qk_l2norm: bool,
+              beta_sigmoid: bool, allow_neg_eigval: bool, safe_gate: bool, chunk_size: int, state_v_first: bool,
+              output_final_state: bool, num_chunks: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (o, final_state or empty, chunk-start states or empty); num_chunks < 0: no chunk states."""
+    N = num_sequences(q, cu_seqlens)
+    o, ht, h = _chunk_outputs(q, v, N, output_final_state, num_chunks, state_v_first, cu_seqlens is not None, k.dtype)
+    p = _C.ForwardParams()
+    fill_inputs(p.inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale, gate, lower_bound,
+                qk_l2norm, beta_sigmoid, allow_neg_eigval)
+    p.state.layout = layout(state_v_first)
+    p.state.initial_state = view(initial_state)
+    if output_final_state:
+        p.state.final_state = view(ht)
+    p.chunk_size = chunk_size
+    p.safe_gate = safe_gate
+    p.out = view(o)
+    if num_chunks >= 0:
+        p.intermediate_states = view(h)
+    ws = workspace(_C.forward_workspace_size(p), q.device)
+    p.set_workspace(view(ws))
+    _C.forward(p, stream_of(q))
+    return o, ht, h
+
+
+@chunk_fwd.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, gate, lower_bound,
+      qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size, state_v_first, output_final_state, num_chunks):
+    N = num_sequences(q, cu_seqlens)
+    return _chunk_outputs(q, v, N, output_final_state, num_chunks, state_v_first, cu_seqlens is not None, k.dtype)
+
+
+def _grad_like(x: Optional[Tensor], like: Tensor) -> Tensor:
+    return torch.empty_like(x) if x is not None else like.new_empty((0,))
+
+
+@torch.library.custom_op("kdakit::chunk_bwd", mutates_args=())
+def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
+              dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+              cu_seqlens_cpu: Optional[Tensor], d_out: Tensor, d_final_state: Optional[Tensor], scale: float,
+              gate: int, lower_bound: float, qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool,
+              safe_gate: bool, chunk_size: int, state_v_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                               Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, d_initial_state); absent ones are empty."""
+    gate_in_kernel = gate != PRE_GATED
+    dq, dk, dv, dg, db = (torch.empty_like(x) for x in (q, k, v, g, beta))
+    dA = _grad_like(A_log if gate_in_kernel else None, q)
+    dbias = _grad_like(dt_bias if gate_in_kernel else None, q)
+    dh0 = _grad_like(initial_state, q)
+    p = _C.BackwardParams()
+    fill_inputs(p.inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale, gate, lower_bound,
+                qk_l2norm, beta_sigmoid, allow_neg_eigval)
+    p.layout = layout(state_v_first)
+    p.initial_state = view(initial_state)
+    p.chunk_size = chunk_size
+    p.safe_gate = safe_gate
+    p.d_out = view(d_out)
+    p.d_final_state = view(d_final_state)
+    p.dq, p.dk, p.dv, p.dg, p.dbeta = view(dq), view(dk), view(dv), view(dg), view(db)
+    if A_log is not None and gate_in_kernel:
+        p.dA_log = view(dA)
+    if dt_bias is not None and gate_in_kernel:
+        p.ddt_bias = view(dbias)
+    if initial_state is not None:
+        p.d_initial_state = view(dh0)
+    ws = workspace(_C.backward_workspace_size(p), q.device)
+    p.set_workspace(view(ws))
+    _C.backward(p, stream_of(q))
+    return dq, dk, dv, dg, db, dA, dbias, dh0
+
+
+@chunk_bwd.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, d_out, d_final_state, scale, gate,
+      lower_bound, qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size, state_v_first):
+    gate_in_kernel = gate != PRE_GATED
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta),
+            _grad_like(A_log if gate_in_kernel else None, q), _grad_like(dt_bias if gate_in_kernel else None, q),
+            _grad_like(initial_state, q))
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *args) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
+    ctx.args = args  # scale, gate, lower_bound, qk_l2norm, beta_sigmoid, neg, safe, chunk, v_first, final, chunks
+
+
+def _backward(ctx, d_out, d_final_state, d_h):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+    (scale, gate, lower_bound, qk_l2norm, beta_sigmoid, neg, safe, chunk_size, v_first, output_final_state,
+     _num_chunks) = ctx.args
+    if not output_final_state:
+        d_final_state = None
+    dq, dk, dv, dg, db, dA, dbias, dh0 = chunk_bwd(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, d_out.contiguous(),
+        d_final_state.contiguous() if d_final_state is not None else None, scale, gate, lower_bound, qk_l2norm,
+        beta_sigmoid, neg, safe, chunk_size, v_first)
+    gate_in_kernel = gate != PRE_GATED
+    return (dq, dk, dv, dg, db,
+            dA if (A_log is not None and gate_in_kernel) else None,
+            dbias if (dt_bias is not None and gate_in_kernel) else None,
+            dh0 if initial_state is not None else None,
+            None, None) + (None,) * 11
+
+
+torch.library.register_autograd("kdakit::chunk_fwd", _backward, setup_context=_setup_context)
+
+# ----------------------------------------------------------------------------------------------------------
+# Chunked forward into caller buffers (serving prefill).
+
+
+@torch.library.custom_op("kdakit::chunk_fwd_into", mutates_args=("out", "final_state", "intermediate_states"))
+def chunk_fwd_into(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
+                   dt_bias: Optional[Tensor], initial_state: Optional[Tensor], out: Tensor,
+                   final_state: Optional[Tensor], intermediate_states: Optional[Tensor],
+                   cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor], state_indices: Optional[Tensor],
+                   has_initial_state: Optional[Tensor], final_is_initial: bool, scale: float, gate: int,
+                   lower_bound: float, qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool, safe_gate: bool,
+                   chunk_size: int, state_v_first: bool) -> None:
+    """final_is_initial: final_state is a pool that is also read (initial_state must then be None)."""
+    p = _C.ForwardParams()
+    fill_inputs(p.inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale, gate, lower_bound,
+                qk_l2norm, beta_sigmoid, allow_neg_eigval)
+    p.state.layout = layout(state_v_first)
+    p.state.final_state = view(final_state)
+    p.state.initial_state = view(final_state if final_is_initial else initial_state)
+    p.state.state_indices = view(state_indices)
+    p.state.has_initial_state = view(has_initial_state)
+    p.chunk_size = chunk_size
+    p.safe_gate = safe_gate
+    p.out = view(out)
+    p.intermediate_states = view(intermediate_states)
+    ws = workspace(_C.forward_workspace_size(p), q.device)
+    p.set_workspace(view(ws))
+    _C.forward(p, stream_of(q))
+
+
+@chunk_fwd_into.register_fake
+def _(*args, **kwargs):
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decode / verify into caller buffers.
+
+
+def _recurrent_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
+                    dt_bias: Optional[Tensor], initial_state: Optional[Tensor], out: Tensor,
+                    final_state: Optional[Tensor], token_states: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                    state_indices: Optional[Tensor], num_accepted_tokens: Optional[Tensor],
+                    has_initial_state: Optional[Tensor], final_is_initial: bool, scale: float, gate: int,
+                    lower_bound: float, qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool,
+                    state_v_first: bool) -> None:
+    p = _C.DecodeParams()
+    fill_inputs(p.inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, None, scale, gate, lower_bound, qk_l2norm,
+                beta_sigmoid, allow_neg_eigval)
+    p.state.layout = layout(state_v_first)
+    p.state.final_state = view(final_state)
+    p.state.initial_state = view(final_state if final_is_initial else initial_state)
+    p.state.state_indices = view(state_indices)
+    p.state.has_initial_state = view(has_initial_state)
+    p.num_accepted_tokens = view(num_accepted_tokens)
+    p.out = view(out)
+    p.token_states = view(token_states)
+    _C.decode(p, stream_of(q))
+
+
+recurrent_fwd_into = torch.library.custom_op(
+    "kdakit::recurrent_fwd_into", _recurrent_impl, mutates_args=("out", "final_state", "token_states"))
+
+
+@recurrent_fwd_into.register_fake
+def _(*args, **kwargs):
+    return None
+
+
+def recurrent_into(*args) -> None:
+    """Decode entry: the custom op while torch.compile traces, the implementation directly otherwise (a decode
+    step is short, so the dispatcher's overhead would show)."""
+    if torch.compiler.is_compiling():
+        torch.ops.kdakit.recurrent_fwd_into(*args)
+    else:
+        _recurrent_impl(*args)

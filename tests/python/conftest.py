@@ -1,0 +1,34 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def rel_rms(got, ref) -> float:
+    """||got - ref|| / ||ref|| in float64 (FLA's metric, SPEC §6.1, without its absolute shortcut)."""
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    num = (got - ref).norm().item()
+    den = ref.norm().item()
+    return num / den if den > 0 else num
+
+
+def assert_close(name, ref, got, tol):
+    __tracebackhide__ = True
+    assert got is not None, f"{name}: missing"
+    assert not (got.detach().double().isnan().any() or got.detach().double().isinf().any()), f"{name}: NaN or Inf"
+    err = rel_rms(got, ref)
+    assert err <= tol, f"{name}: relative RMS error {err:.3e} > {tol:.1e}"
+
+
+@pytest.fixture
+def seed():
+    """A fresh seed per test, printed on failure so the case can be replayed."""
+    import torch
+
+    s = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(s)
+    print(f"seed={s}")
+    return s

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One call on the offline GPU machine: build kdakit, run its test suite (C++ and Python, GPU tests included)
+# and, when asked, the benchmark; full logs go to $OUT, a short summary is printed last.
+#
+#   tools/gpu/check.sh [--bench] [--sanitize] [pytest args...]
+#
+# Brought along in the ignored folder .deps/ (name it in the device tool's `carry`):
+#   .deps/googletest/  GoogleTest sources (e.g. a copy of Debian's /usr/src/googletest)
+#   .deps/wheels/      peer wheels for side-by-side tests and benchmarks (flash-linear-attention, fla-core)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/kdakit-out}
+mkdir -p "$OUT"
+BENCH=0; SANITIZE=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --bench) BENCH=1; shift ;;
+    --sanitize) SANITIZE=1; shift ;;
+    *) break ;;
+  esac
+done
+export PYTHONUNBUFFERED=1
+declare -A STATUS
+
+step() {  # step NAME LOG CMD...: runs CMD, logs to $OUT/LOG, records pass/fail
+  local name=$1 log=$2; shift 2
+  echo "== $name"
+  local t0=$SECONDS
+  if "$@" >"$OUT/$log" 2>&1; then STATUS[$name]="ok ($((SECONDS - t0)) s)"; else STATUS[$name]="FAILED ($((SECONDS - t0)) s, see $log)"; fi
+  tail -n 5 "$OUT/$log"
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  nvcc --version | tail -n 1
+  python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
+  python3 -c 'import nanobind, scikit_build_core; print("nanobind", nanobind.__version__, "scikit-build-core", scikit_build_core.__version__)'
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if compgen -G ".deps/wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .deps/wheels/*.whl >"$OUT/wheels.log" 2>&1 \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+step build build.log python3 -m pip install -v --no-build-isolation --no-deps .
+GTEST_ARGS=""
+[[ -d .deps/googletest ]] && GTEST_ARGS="-DKDAKIT_GTEST_SOURCE_DIR=$PWD/.deps/googletest"
+step tests tests.log env KDAKIT_CMAKE_ARGS="$GTEST_ARGS" PYTHON=python3 tools/test.sh "$@"
+if [[ $SANITIZE == 1 && -f tools/gpu/sanitize.sh ]]; then
+  step sanitize sanitize.log tools/gpu/sanitize.sh
+fi
+if [[ $BENCH == 1 ]]; then
+  step bench bench.log python3 -m kdakit.bench --out "$OUT"
+fi
+
+echo
+echo "== summary ($(head -n 1 "$OUT/env.txt"))"
+for k in build tests sanitize bench; do [[ -n "${STATUS[$k]:-}" ]] && printf '%-9s %s\n' "$k" "${STATUS[$k]}"; done
+grep -E "tests passed|tests failed" "$OUT/tests.log" | tail -n 1
+grep -E "^[0-9]+ (passed|failed)|(passed|failed).* in [0-9.]+s" "$OUT/tests.log" | tail -n 1
+[[ -f "$OUT/bench_table.txt" ]] && cat "$OUT/bench_table.txt"
+for k in "${!STATUS[@]}"; do [[ ${STATUS[$k]} == FAILED* ]] && exit 1; done
+exit 0
