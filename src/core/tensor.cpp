@@ -1,6 +1,5 @@
 #include "kdakit/tensor.h"
 
-#include <sstream>
 
 #include "kdakit/error.h"
 
@@ -50,12 +49,12 @@ bool TensorView::is_contiguous() const {
   return true;
 }
 
+// Plain string building: iostreams are avoided in the library because a statically linked libstdc++ (as some
+// toolchains link Python extensions) may leave their locale uninitialised.
 static std::string join(const int64_t* v, int n) {
-  std::ostringstream os;
-  os << '[';
-  for (int i = 0; i < n; ++i) os << (i ? "," : "") << v[i];
-  os << ']';
-  return os.str();
+  std::string s = "[";
+  for (int i = 0; i < n; ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  return s + "]";
 }
 
 std::string TensorView::shape_str() const { return ndim < 0 ? "(absent)" : join(shape, ndim); }

@@ -1,7 +1,6 @@
 // Validation of every op's params. Each error names the argument, what was expected and what was received.
 #include <algorithm>
 #include <cmath>
-#include <sstream>
 #include <string>
 
 #include "core/plan.h"
@@ -37,16 +36,13 @@ namespace {
 [[noreturn]] void fail(const std::string& arg, const std::string& msg) { throw InvalidArgument(arg, msg); }
 
 std::string dims(std::initializer_list<int64_t> v) {
-  std::ostringstream os;
-  os << '[';
+  std::string s = "[";
   bool first = true;
   for (int64_t x : v) {
-    os << (first ? "" : ",");
-    if (x < 0) os << '*'; else os << x;
+    s += (first ? "" : ",") + (x < 0 ? std::string("*") : std::to_string(x));
     first = false;
   }
-  os << ']';
-  return os.str();
+  return s + "]";
 }
 
 void require_present(const TensorView& t, const char* name) {
