@@ -117,6 +117,10 @@ def chunk_kda(
         chunks = num_chunks(q.shape[1], q.shape[0], cu, chunk_size)
 
     serving = ssm_state_indices is not None or has_initial_state is not None or out is not None
+    if q.device.type == "cuda" and _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        raise NotImplementedError(
+            "chunk_kda: the CUDA backward is not implemented yet; run the forward under torch.no_grad() or "
+            "torch.inference_mode(), or train on CPU tensors")
     if not serving:
         o, ht, h = torch.ops.kdakit.chunk_fwd(
             q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, gate, lb,

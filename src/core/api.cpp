@@ -12,7 +12,7 @@
 namespace kdakit {
 namespace {
 
-[[noreturn]] void cuda_not_built(const char* op) {
+[[noreturn]] [[maybe_unused]] void cuda_not_built(const char* op) {
   throw NotBuilt(std::string("kdakit.") + op +
                  ": CUDA kernels not built: this kdakit was compiled without CUDA (no nvcc at build time, or "
                  "KDAKIT_CUDA=OFF); pass CPU tensors or reinstall kdakit where nvcc is available");

@@ -46,7 +46,11 @@ fi
 step build build.log python3 -m pip install -v --no-build-isolation --no-deps .
 GTEST_ARGS=""
 [[ -d .deps/googletest ]] && GTEST_ARGS="-DKDAKIT_GTEST_SOURCE_DIR=$PWD/.deps/googletest"
-step tests tests.log env KDAKIT_CMAKE_ARGS="$GTEST_ARGS" PYTHON=python3 tools/test.sh "$@"
+if [[ ${KDAKIT_QUICK:-0} == 1 ]]; then  # Python tests only (arguments go to pytest)
+  step tests tests.log python3 -m pytest "$@"
+else
+  step tests tests.log env KDAKIT_CMAKE_ARGS="$GTEST_ARGS" PYTHON=python3 tools/test.sh "$@"
+fi
 if [[ $SANITIZE == 1 && -f tools/gpu/sanitize.sh ]]; then
   step sanitize sanitize.log tools/gpu/sanitize.sh
 fi
@@ -59,6 +63,7 @@ echo "== summary ($(head -n 1 "$OUT/env.txt"))"
 for k in build tests sanitize bench; do [[ -n "${STATUS[$k]:-}" ]] && printf '%-9s %s\n' "$k" "${STATUS[$k]}"; done
 grep -E "tests passed|tests failed" "$OUT/tests.log" | tail -n 1
 grep -E "^[0-9]+ (passed|failed)|(passed|failed).* in [0-9.]+s" "$OUT/tests.log" | tail -n 1
+[[ -f "$OUT/sanitize.log" ]] && grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize.log"
 [[ -f "$OUT/bench_table.txt" ]] && cat "$OUT/bench_table.txt"
 for k in "${!STATUS[@]}"; do [[ ${STATUS[$k]} == FAILED* ]] && exit 1; done
 exit 0

@@ -1,0 +1,239 @@
+// Host side of the CUDA backend: CUDA-specific argument checks, workspace planning, kernel configuration.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "cuda/backend.h"
+#include "cuda/forward/args.h"
+#include "kdakit/error.h"
+
+namespace kdakit::cuda {
+
+template <typename InT>
+void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t stream);
+extern template void launch_forward<__nv_bfloat16>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
+extern template void launch_forward<__half>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
+extern template void launch_forward<float>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
+
+namespace {
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&prev_) == cudaSuccess && prev_ != device) {
+      if (cudaSetDevice(device) != cudaSuccess) throw CudaError("kdakit: cannot select CUDA device " + std::to_string(device));
+    } else {
+      prev_ = -1;
+    }
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = -1;
+};
+
+int sm_count(int device) {
+  static int cache[64] = {};
+  if (device < 0 || device >= 64) return 132;
+  if (cache[device] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 132;
+    cache[device] = n;
+  }
+  return cache[device];
+}
+
+DynPtr dyn(const TensorView& t) {
+  DynPtr d;
+  if (t.present()) {
+    d.p = t.data;
+    d.dtype = t.dtype;
+  }
+  return d;
+}
+
+TokenTensor token_tensor(const TensorView& t) {
+  TokenTensor r;
+  r.p = t.data;
+  r.sb = t.strides[0];
+  r.st = t.strides[1];
+  r.sh = t.strides[2];
+  return r;
+}
+
+StateRef state_ref(const TensorView& t) {
+  StateRef s;
+  s.ptr = dyn(t);
+  if (t.present()) {
+    s.slot_stride = t.strides[0];
+    s.head_stride = t.strides[1];
+  }
+  return s;
+}
+
+void require_cuda_dtypes(const KdaInputs& in) {
+  const DType dt = in.q.dtype;
+  if (dt != DType::kBFloat16 && dt != DType::kFloat16 && dt != DType::kFloat32) {
+    throw InvalidArgument("q", std::string("the CUDA kernels take bfloat16, float16 or float32 inputs, got ") + dtype_name(dt));
+  }
+  const std::pair<const TensorView*, const char*> same[] = {{&in.v, "v"}, {&in.g, "g"}};
+  for (const auto& [t, name] : same) {
+    if (t->dtype != dt) {
+      throw InvalidArgument(name, std::string("the CUDA kernels need q, k, v and g of one dtype (") + dtype_name(dt) +
+                                      "), got " + dtype_name(t->dtype));
+    }
+  }
+  for (const auto& [t, name] : {std::make_pair(&in.beta, "beta"), std::make_pair(&in.gate.A_log, "A_log"),
+                                std::make_pair(&in.gate.dt_bias, "dt_bias")}) {
+    if (t->present() && t->dtype == DType::kFloat64) {
+      throw InvalidArgument(name, "float64 runs on the CPU only; pass float32, float16 or bfloat16");
+    }
+  }
+}
+
+struct ForwardPlan {
+  ForwardConfig cfg;
+  int VP = 64;
+  size_t esz = 2;
+  int64_t slots = 0;
+  size_t off_offsets = 0, off_w = 0, off_qg = 0, off_kg = 0, off_u = 0, off_a = 0, off_gam = 0, total = 0;
+};
+
+ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) {
+  const Problem& pr = plan.pr;
+  ForwardPlan fp;
+  fp.cfg.chunk = p.chunk_size;
+  fp.cfg.KP = pr.K <= 64 ? 64 : (pr.K <= 128 ? 128 : 256);
+  fp.VP = static_cast<int>((pr.V + 63) / 64 * 64);
+  fp.esz = p.in.q.dtype == DType::kBFloat16 ? 2 : 4;
+  const int64_t C = p.chunk_size;
+  if (pr.varlen) {
+    fp.slots = plan.cu_known ? pr.num_chunks : (pr.T + C - 1) / C + pr.N;
+  } else {
+    fp.slots = pr.B * ((pr.T + C - 1) / C);
+  }
+  // The recurrence's V tile: the widest that still gives every SM work.
+  const int sms = sm_count(pr.device_index);
+  auto ctas = [&](int bv) { return pr.N * pr.HV * ((pr.V + bv - 1) / bv); };
+  int bv = fp.cfg.KP <= 128 ? 64 : 32;
+  while (bv > 16 && ctas(bv) < (3 * sms) / 4) bv /= 2;
+  fp.cfg.BV = bv;
+  auto align = [](size_t x) { return (x + 255) & ~size_t(255); };
+  const size_t tiles = static_cast<size_t>(fp.slots) * pr.HV;
+  size_t off = 0;
+  fp.off_offsets = off; off = align(off + 8 * (pr.N + 1));
+  fp.off_w = off;  off = align(off + tiles * C * fp.cfg.KP * fp.esz);
+  fp.off_qg = off; off = align(off + tiles * C * fp.cfg.KP * fp.esz);
+  fp.off_kg = off; off = align(off + tiles * C * fp.cfg.KP * fp.esz);
+  fp.off_u = off;  off = align(off + tiles * C * fp.VP * fp.esz);
+  fp.off_a = off;  off = align(off + tiles * C * C * fp.esz);
+  fp.off_gam = off; off = align(off + tiles * fp.cfg.KP * 4);
+  fp.total = off;
+  return fp;
+}
+
+}  // namespace
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return n;
+}
+
+std::size_t forward_workspace_size(const ForwardParams& p, const detail::Plan& plan) {
+  require_cuda_dtypes(p.in);
+  return plan_forward_cuda(p, plan).total;
+}
+
+void forward(const ForwardParams& p, const detail::Plan& plan, void* stream) {
+  require_cuda_dtypes(p.in);
+  const Problem& pr = plan.pr;
+  const ForwardPlan fp = plan_forward_cuda(p, plan);
+  if (p.workspace_bytes < fp.total || (fp.total > 0 && p.workspace == nullptr)) {
+    throw InvalidArgument("workspace", "needs " + std::to_string(fp.total) + " bytes, got " +
+                                           std::to_string(p.workspace_bytes));
+  }
+  if (pr.N == 0) return;
+  DeviceGuard guard(pr.device_index);
+  char* ws = static_cast<char*>(p.workspace);
+  ForwardArgs a;
+  a.q = token_tensor(p.in.q);
+  a.k = token_tensor(p.in.k);
+  a.v = token_tensor(p.in.v);
+  a.g = token_tensor(p.in.g);
+  a.beta = dyn(p.in.beta);
+  a.beta_sb = p.in.beta.strides[0];
+  a.beta_st = p.in.beta.strides[1];
+  a.beta_sh = p.in.beta.strides[2];
+  a.A_log = dyn(p.in.gate.A_log);
+  a.dt_bias = dyn(p.in.gate.dt_bias);
+  a.gate_mode = static_cast<int>(p.in.gate.mode);
+  a.lower_bound = p.in.gate.lower_bound;
+  a.scale = p.in.scale;
+  a.l2norm = p.in.qk_l2norm;
+  a.beta_sigmoid = p.in.beta_sigmoid;
+  a.neg_eigval = p.in.allow_neg_eigval;
+  a.B = static_cast<int>(pr.B);
+  a.T = static_cast<int>(pr.T);
+  a.H = static_cast<int>(pr.H);
+  a.HV = static_cast<int>(pr.HV);
+  a.K = static_cast<int>(pr.K);
+  a.V = static_cast<int>(pr.V);
+  a.group = static_cast<int>(pr.group);
+  a.N = static_cast<int>(pr.N);
+  a.cu_seqlens = dyn(p.in.cu_seqlens);
+  a.chunk = p.chunk_size;
+  a.chunk_offsets = reinterpret_cast<int64_t*>(ws + fp.off_offsets);
+  a.num_slots = fp.slots;
+  a.ws_w = ws + fp.off_w;
+  a.ws_qg = ws + fp.off_qg;
+  a.ws_kg = ws + fp.off_kg;
+  a.ws_u = ws + fp.off_u;
+  a.ws_a = ws + fp.off_a;
+  a.ws_gam = reinterpret_cast<float*>(ws + fp.off_gam);
+  a.KP = fp.cfg.KP;
+  a.VP = fp.VP;
+  a.vk = p.state.layout == StateLayout::kVK;
+  a.initial = state_ref(p.state.initial_state);
+  a.final_state = state_ref(p.state.final_state);
+  a.state_indices = dyn(p.state.state_indices);
+  a.has_initial_state = dyn(p.state.has_initial_state);
+  if (p.intermediate_states.present()) {
+    a.inter = dyn(p.intermediate_states);
+    a.inter_sb = p.intermediate_states.strides[0];
+    a.inter_sc = p.intermediate_states.strides[1];
+    a.inter_sh = p.intermediate_states.strides[2];
+  }
+  a.out = dyn(p.out);
+  a.out_sb = p.out.strides[0];
+  a.out_st = p.out.strides[1];
+  a.out_sh = p.out.strides[2];
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (p.in.q.dtype) {
+    case DType::kBFloat16: launch_forward<__nv_bfloat16>(a, fp.cfg, s); break;
+    case DType::kFloat16: launch_forward<__half>(a, fp.cfg, s); break;
+    default: launch_forward<float>(a, fp.cfg, s); break;
+  }
+}
+
+std::size_t backward_workspace_size(const BackwardParams&, const detail::Plan&) {
+  throw NotBuilt("kdakit.backward: the CUDA backward is not implemented yet; run the backward on CPU tensors");
+}
+
+void backward(const BackwardParams&, const detail::Plan&, void*) {
+  throw NotBuilt("kdakit.backward: the CUDA backward is not implemented yet; run the backward on CPU tensors");
+}
+
+void decode(const DecodeParams&, const detail::Plan&, void*) {
+  throw NotBuilt("kdakit.decode: the CUDA decode kernel is not implemented yet; run decode on CPU tensors");
+}
+
+}  // namespace kdakit::cuda

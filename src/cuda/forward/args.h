@@ -1,0 +1,73 @@
+// Kernel arguments of the CUDA chunked forward, derived on the host from kdakit::ForwardParams.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/common/io.cuh"
+
+namespace kdakit::cuda {
+
+// Compile-time shape of the kernels chosen for a call.
+struct ForwardConfig {
+  int chunk = 64;  // 32 or 64
+  int KP = 64;     // K padded: 64, 128, 256
+  int BV = 64;     // value columns per recurrence CTA: 16, 32, 64
+};
+
+struct TokenTensor {  // [B,T,heads,dim] with a contiguous last dimension
+  const void* p = nullptr;
+  int64_t sb = 0, st = 0, sh = 0;
+  __host__ __device__ int64_t offset(int64_t b, int64_t t, int64_t h) const { return b * sb + t * st + h * sh; }
+};
+
+struct ForwardArgs {
+  // Inputs.
+  TokenTensor q, k, v, g;
+  DynPtr beta;
+  int64_t beta_sb = 0, beta_st = 0, beta_sh = 0;
+  DynPtr A_log, dt_bias;
+  int gate_mode = 0;  // 0 pre-gated, 1 softplus, 2 lower bound
+  float lower_bound = -5.f;
+  float scale = 1.f;
+  bool l2norm = false, beta_sigmoid = false, neg_eigval = false;
+  int B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, group = 1, N = 0;
+  DynPtr cu_seqlens;  // absent: fixed length
+  int chunk = 64;
+
+  // Workspace: chunk offsets [N+1], then per (chunk slot, v-head) tiles.
+  int64_t* chunk_offsets = nullptr;
+  int64_t num_slots = 0;  // chunk slots the workspace holds (an upper bound of the real chunks)
+  void* ws_w = nullptr;   // [slot][HV][C][KP] Elem
+  void* ws_qg = nullptr;  // [slot][HV][C][KP] Elem (scale folded in)
+  void* ws_kg = nullptr;  // [slot][HV][C][KP] Elem
+  void* ws_u = nullptr;   // [slot][HV][C][VP] Elem
+  void* ws_a = nullptr;   // [slot][HV][C][C] Elem (scale folded in, zero above the diagonal)
+  float* ws_gam = nullptr;  // [slot][HV][KP]
+  int KP = 64, VP = 64;
+
+  // States.
+  bool vk = false;
+  StateRef initial, final_state;
+  DynPtr state_indices, has_initial_state;
+  DynPtr inter;  // intermediate states [B|1,NT,HV,*,*]
+  int64_t inter_sb = 0, inter_sc = 0, inter_sh = 0;
+
+  // Output [B,T,HV,V].
+  DynPtr out;
+  int64_t out_sb = 0, out_st = 0, out_sh = 0;
+
+  // Sequence n: batch row, first token, length.
+  __device__ __forceinline__ void sequence(int n, int64_t& b, int64_t& t0, int64_t& len) const {
+    if (cu_seqlens.present()) {
+      b = 0;
+      t0 = cu_seqlens.load_int(n);
+      len = cu_seqlens.load_int(n + 1) - t0;
+    } else {
+      b = n;
+      t0 = 0;
+      len = T;
+    }
+  }
+};
+
+}  // namespace kdakit::cuda

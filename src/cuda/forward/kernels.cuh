@@ -1,0 +1,643 @@
+// The CUDA chunked forward (sm_80+, mma.sync): the algorithm of src/cpu/chunked.cpp split in two kernels.
+//
+//   prepare_kernel    (chunk, v-head) per CTA, all state-independent work: L2 norm, gate, beta, the anchored
+//                     intra-chunk matrices P (-> Aqk) and L, the inverse Tm = (I + L)^-1, and w, u, qg, kg,
+//                     gamma written to the workspace.
+//   recurrence_kernel (sequence, v-head, V tile) per CTA, the serial part: the fp32 state lives in registers
+//                     and each chunk does v_new = u - w S, o = qg S + Aqk v_new, S = gamma S + kg^T v_new.
+//
+// Elem is the operand type of every matrix product: bf16 (one MMA per k-step) for bf16 inputs, float (split
+// into hi + lo bf16, three MMAs) for float16 and float32 inputs. Gates are carried in log2 units.
+#pragma once
+
+#include <type_traits>
+
+#include "common/kda_math.h"
+#include "cuda/common/mma.cuh"
+#include "cuda/forward/args.h"
+
+namespace kdakit::cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+// Diagonal blocks are factorised around their middle row while every exponent stays within +-64 nats.
+constexpr float kMaxAnchorLog2 = 64.0f * kLog2e;
+
+template <typename Elem>
+constexpr int smem_pad() { return std::is_same<Elem, float>::value ? 4 : 8; }
+
+template <typename Elem>
+__device__ __forceinline__ Elem to_elem(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 to_elem<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ float to_elem<float>(float v) { return v; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Bump allocation of dynamic shared memory with 16-byte alignment.
+struct SmemCursor {
+  char* p;
+  template <typename T>
+  __device__ __forceinline__ T* take(int count) {
+    T* r = reinterpret_cast<T*>(p);
+    p += (static_cast<size_t>(count) * sizeof(T) + 15) & ~size_t(15);
+    return r;
+  }
+};
+
+// ---- chunk offsets ---------------------------------------------------------------------------------------
+// chunk_offsets[n] = number of chunks of the sequences before n. One block; sequences split over threads.
+__global__ void chunk_offsets_kernel(const ForwardArgs a);
+
+// ---- prepare ---------------------------------------------------------------------------------------------
+
+template <typename Elem, int C, int KP>
+struct PrepareLayout {
+  static constexpr int NSUB = C / 16;
+  static constexpr int PAD = smem_pad<Elem>();
+  static constexpr int LD64 = 64 + PAD;
+  static constexpr int LDKP = KP + PAD;
+  static constexpr int LDC = C + PAD;
+  static constexpr int LDL = C + 1;
+  static constexpr int LDG = 65;
+  static constexpr int KB_ROWS = (8 * NSUB * (NSUB - 1) > C) ? 8 * NSUB * (NSUB - 1) : C;
+  static constexpr int TILE_ELEMS = (2 * C + KB_ROWS) * LD64;  // phase A tiles; phase B reuses them
+  static_assert(C * LDC + C * LD64 <= TILE_ELEMS, "phase B tiles must fit the phase A region");
+  static constexpr size_t bytes() {
+    auto r = [](size_t b) { return (b + 15) & ~size_t(15); };
+    return r(sizeof(Elem) * TILE_ELEMS) + r(sizeof(Elem) * C * LDKP) + r(4 * C * LDL) + r(4 * (NSUB > 1 ? NSUB - 1 : 1) * 16 * 17) +
+           r(4 * C * LDG) + r(4 * NSUB * 64) + 3 * r(4 * C) + r(4 * 2 * NSUB) + r(4 * 4 * 2 * 16 * 17);
+  }
+};
+
+// First row of row block a's off-diagonal B operand in sKb (row block a needs rows [0, 16a)).
+__host__ __device__ constexpr int kb_offset(int a) { return 8 * a * (a - 1); }
+
+template <typename InT, typename Elem, int C, int KP>
+__global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
+  using L = PrepareLayout<Elem, C, KP>;
+  using Op = Operand<Elem>;
+  constexpr int NSUB = L::NSUB, NKS = KP / 64, NOFF = NSUB > 1 ? 2 * (NSUB - 1) : 2;
+  const int64_t slot = blockIdx.x;
+  const int hv = blockIdx.y;
+  if (slot >= a.chunk_offsets[a.N]) return;
+  int lo = 0, hi = a.N;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (a.chunk_offsets[mid] <= slot) lo = mid; else hi = mid;
+  }
+  const int n = lo;
+  int64_t b, t0, len;
+  a.sequence(n, b, t0, len);
+  const int64_t c = slot - a.chunk_offsets[n];
+  const int64_t row0 = t0 + c * C;
+  const int nrows = static_cast<int>(min(static_cast<int64_t>(C), len - c * C));
+  const int h = hv / a.group;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const InT* qp = static_cast<const InT*>(a.q.p);
+  const InT* kp = static_cast<const InT*>(a.k.p);
+  const InT* gp = static_cast<const InT*>(a.g.p);
+  const InT* vp = static_cast<const InT*>(a.v.p);
+  const int64_t ws_tile = (slot * a.HV + hv);
+  Elem* ws_qg = static_cast<Elem*>(a.ws_qg) + ws_tile * C * KP;
+  Elem* ws_kg = static_cast<Elem*>(a.ws_kg) + ws_tile * C * KP;
+  Elem* ws_w = static_cast<Elem*>(a.ws_w) + ws_tile * C * KP;
+  Elem* ws_u = static_cast<Elem*>(a.ws_u) + ws_tile * C * a.VP;
+  Elem* ws_a = static_cast<Elem*>(a.ws_a) + ws_tile * C * C;
+  float* ws_gam = a.ws_gam + ws_tile * KP;
+
+  extern __shared__ __align__(16) char smem_raw[];
+  SmemCursor cur{smem_raw};
+  Elem* tiles = cur.take<Elem>(L::TILE_ELEMS);
+  Elem* sQa = tiles;                      // [C][LD64]  A operand: q (off-diagonal), then q*e^sigma (diagonal)
+  Elem* sKa = tiles + C * L::LD64;        // [C][LD64]  A operand: k, likewise
+  Elem* sKb = tiles + 2 * C * L::LD64;    // [KB_ROWS][LD64] B operands (off-diagonal), then k*e^-sigma
+  Elem* sTb = tiles;                      // phase B: [C][LDC] Tm * diag(beta)
+  Elem* sV = tiles + C * L::LDC;          // phase B: [C][LD64] a 64-column slice of v
+  Elem* sKbg = cur.take<Elem>(C * L::LDKP);  // [C][LDKP] k * exp2(G)
+  float* sLT = cur.take<float>(C * L::LDL);  // [C][LDL] L, then Tm in place
+  float* sX = cur.take<float>((NSUB > 1 ? NSUB - 1 : 1) * 16 * 17);
+  float* sGate = cur.take<float>(C * L::LDG);  // [C][LDG] gate (log2 units) of the current slice
+  float* sTot = cur.take<float>(NSUB * 64);    // [NSUB][64] sub-chunk totals of the current slice
+  float* sRq = cur.take<float>(C);
+  float* sRk = cur.take<float>(C);
+  float* sBeta = cur.take<float>(C);
+  int* sMax = cur.take<int>(2 * NSUB);
+  float* sEx = cur.take<float>(4 * 2 * 16 * 17);  // per-warp scratch of the exact diagonal path
+
+  // Stage 0: beta, reciprocal norms; L zeroed (its upper part stays zero).
+  for (int r = tid; r < C; r += 128) {
+    float bt = 0.f;
+    if (r < nrows) {
+      bt = math::beta_value(a.beta.load(b * a.beta_sb + (row0 + r) * a.beta_st + hv * a.beta_sh), a.beta_sigmoid,
+                            a.neg_eigval);
+    }
+    sBeta[r] = bt;
+  }
+  for (int e = tid; e < C * L::LDL; e += 128) sLT[e] = 0.f;
+  if (tid < 2 * NSUB) sMax[tid] = 0;
+  for (int task = warp; task < 2 * C; task += 4) {
+    const int r = task >> 1;
+    const bool is_k = task & 1;
+    float rs = 0.f;
+    if (r < nrows) {
+      if (a.l2norm) {
+        const InT* p = is_k ? kp + a.k.offset(b, row0 + r, h) : qp + a.q.offset(b, row0 + r, h);
+        float ss = 0.f;
+        for (int d = lane; d < a.K; d += 32) {
+          const float x = to_float(p[d]);
+          ss += x * x;
+        }
+        ss = warp_sum(ss);
+        rs = 1.0f / sqrtf(ss + static_cast<float>(math::kL2NormEps));
+      } else {
+        rs = 1.f;
+      }
+    }
+    if (lane == 0) (is_k ? sRk : sRq)[r] = rs;
+  }
+  const float A_log = a.A_log.present() ? a.A_log.load(hv) : 0.f;
+  __syncthreads();
+
+  FragC accP[1][NOFF], accL[1][NOFF], dP[1][2], dL[1][2];
+#pragma unroll
+  for (int i = 0; i < NOFF; ++i) { accP[0][i].zero(); accL[0][i].zero(); }
+  dP[0][0].zero(); dP[0][1].zero(); dL[0][0].zero(); dL[0][1].zero();
+  const int ab = warp;  // this warp's row block
+  const bool has_block = ab < NSUB;
+
+  for (int ks = 0; ks < NKS; ++ks) {
+    const int d0 = ks * 64;
+    int* maxs = sMax + (ks & 1) * NSUB;
+    // (i) Gates of the slice (log2 units; zero past the sequence and past K), sub-chunk totals, and the
+    //     largest exponent of each diagonal block's factorisation around its anchor row.
+    for (int pr = tid; pr < 64 * NSUB; pr += 128) {
+      const int dl = pr & 63, sb = pr >> 6, d = d0 + dl;
+      float gv[16];
+      float tot = 0.f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int r = sb * 16 + i;
+        float x = 0.f;
+        if (r < nrows && d < a.K) {
+          x = to_float(gp[a.g.offset(b, row0 + r, hv) + d]);
+          if (a.gate_mode != 0) {
+            if (a.dt_bias.present()) x += a.dt_bias.load(int64_t(hv) * a.K + d);
+            x = math::gate_value<float>(a.gate_mode, x, A_log, a.A_log.present(), a.lower_bound);
+          }
+          x *= kLog2e;
+        }
+        gv[i] = x;
+        sGate[r * L::LDG + dl] = x;
+        tot += x;
+      }
+      sTot[sb * 64 + dl] = tot;
+      const int valid = max(0, min(16, nrows - sb * 16));
+      const int m = max(0, min(8, valid - 1));
+      float up = 0.f, dn = 0.f, mx = 0.f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        if (i > m) { up += gv[i]; mx = fmaxf(mx, -up); }
+      }
+#pragma unroll
+      for (int i = 15; i >= 0; --i) {
+        if (i < m) { dn -= gv[i + 1]; mx = fmaxf(mx, dn); }
+      }
+      atomicMax(&maxs[sb], __float_as_int(mx));
+    }
+    __syncthreads();
+    // (ii) Off-diagonal operands (anchored at each row block's first row) and the chunk-level outputs.
+    if (tid < NSUB) sMax[((ks + 1) & 1) * NSUB + tid] = 0;  // the other slice's maxima were read a sync ago
+    for (int pr = tid; pr < 64 * NSUB; pr += 128) {
+      const int dl = pr & 63, sb = pr >> 6, d = d0 + dl;
+      float before = 0.f, after = 0.f;
+      for (int cb = 0; cb < NSUB; ++cb) {
+        const float t = sTot[cb * 64 + dl];
+        if (cb < sb) before += t;
+        if (cb > sb) after += t;
+      }
+      float gv[16], rho[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) gv[i] = sGate[(sb * 16 + i) * L::LDG + dl];
+      float acc = 0.f;
+#pragma unroll
+      for (int i = 15; i >= 0; --i) { rho[i] = acc; acc += gv[i]; }
+      float lam = 0.f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int r = sb * 16 + i;
+        lam += gv[i];
+        float qv = 0.f, kv = 0.f;
+        if (r < nrows && d < a.K) {
+          qv = to_float(qp[a.q.offset(b, row0 + r, h) + d]) * sRq[r];
+          kv = to_float(kp[a.k.offset(b, row0 + r, h) + d]) * sRk[r];
+        }
+        const float eh = exp2f(lam);
+        sQa[r * L::LD64 + dl] = to_elem<Elem>(qv * eh);
+        sKa[r * L::LD64 + dl] = to_elem<Elem>(kv * eh);
+        float mid = 0.f;
+        for (int rb = sb + 1; rb < NSUB; ++rb) {
+          sKb[(kb_offset(rb) + r) * L::LD64 + dl] = to_elem<Elem>(kv * exp2f(rho[i] + mid));
+          mid += sTot[rb * 64 + dl];
+        }
+        const float eg = exp2f(lam + before);
+        Op::store(ws_qg + r * KP + d, a.scale * qv * eg);
+        Op::store(ws_kg + r * KP + d, kv * exp2f(rho[i] + after));
+        sKbg[r * L::LDKP + d] = to_elem<Elem>(kv * eg);
+      }
+      if (sb == 0) ws_gam[d] = exp2f(sTot[dl] + after);
+    }
+    __syncthreads();
+    if (has_block && ab > 0) {
+      warp_gemm<Elem, 1, NOFF, false, false>(accP, sQa, L::LD64, 16 * ab, sKb + kb_offset(ab) * L::LD64, L::LD64, 0,
+                                             0, 4, ab);
+      warp_gemm<Elem, 1, NOFF, false, false>(accL, sKa, L::LD64, 16 * ab, sKb + kb_offset(ab) * L::LD64, L::LD64, 0,
+                                             0, 4, ab);
+    }
+    __syncthreads();
+    // (iii) Diagonal blocks factorised around the anchor row m: q e^s, k e^s, k e^-s with s = G_i - G_m.
+    for (int pr = tid; pr < 64 * NSUB; pr += 128) {
+      const int dl = pr & 63, sb = pr >> 6, d = d0 + dl;
+      if (__int_as_float(maxs[sb]) > kMaxAnchorLog2) continue;
+      const int valid = max(0, min(16, nrows - sb * 16));
+      const int m = max(0, min(8, valid - 1));
+      float gv[16], sg[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) gv[i] = sGate[(sb * 16 + i) * L::LDG + dl];
+      float up = 0.f, dn = 0.f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        if (i > m) up += gv[i];
+        sg[i] = i > m ? up : 0.f;
+      }
+#pragma unroll
+      for (int i = 15; i >= 0; --i) {
+        if (i < m) { dn -= gv[i + 1]; sg[i] = dn; }
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int r = sb * 16 + i;
+        float qv = 0.f, kv = 0.f;
+        if (r < nrows && d < a.K) {
+          qv = to_float(qp[a.q.offset(b, row0 + r, h) + d]) * sRq[r];
+          kv = to_float(kp[a.k.offset(b, row0 + r, h) + d]) * sRk[r];
+        }
+        const float e = exp2f(sg[i]);
+        sQa[r * L::LD64 + dl] = to_elem<Elem>(qv * e);
+        sKa[r * L::LD64 + dl] = to_elem<Elem>(kv * e);
+        sKb[r * L::LD64 + dl] = to_elem<Elem>(kv * exp2f(-sg[i]));
+      }
+    }
+    __syncthreads();
+    if (has_block) {
+      if (__int_as_float(maxs[ab]) <= kMaxAnchorLog2) {
+        warp_gemm<Elem, 1, 2, false, false>(dP, sQa, L::LD64, 16 * ab, sKb + 16 * ab * L::LD64, L::LD64, 0, 0, 4);
+        warp_gemm<Elem, 1, 2, false, false>(dL, sKa, L::LD64, 16 * ab, sKb + 16 * ab * L::LD64, L::LD64, 0, 0, 4);
+      } else {
+        // Exact path: decay(i, j) = prod_{s=j+1..i} exp2(g_s) per dimension; lanes hold two dimensions each.
+        float* exP = sEx + warp * 2 * 16 * 17;
+        float* exL = exP + 16 * 17;
+        float kk[2][16], al[2][16];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int dl = lane + 32 * u, d = d0 + dl;
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const int r = 16 * ab + j;
+            kk[u][j] = (r < nrows && d < a.K) ? to_float(kp[a.k.offset(b, row0 + r, h) + d]) * sRk[r] : 0.f;
+            al[u][j] = exp2f(sGate[r * L::LDG + dl]);
+          }
+        }
+        for (int i = 0; i < 16; ++i) {
+          const int r = 16 * ab + i;
+          float qi[2], ki[2], dec[2] = {1.f, 1.f};
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const int d = d0 + lane + 32 * u;
+            qi[u] = (r < nrows && d < a.K) ? to_float(qp[a.q.offset(b, row0 + r, h) + d]) * sRq[r] : 0.f;
+            ki[u] = kk[u][i];
+          }
+          for (int j = i; j >= 0; --j) {
+            float pp = 0.f, ll = 0.f;
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+              if (j < i) dec[u] *= al[u][j + 1];
+              pp += qi[u] * kk[u][j] * dec[u];
+              ll += ki[u] * kk[u][j] * dec[u];
+            }
+            pp = warp_sum(pp);
+            ll = warp_sum(ll);
+            if (lane == 0) {
+              exP[i * 17 + j] = pp;
+              exL[i * 17 + j] = j < i ? ll : 0.f;
+            }
+          }
+        }
+        __syncwarp();
+        for_each_acc<1, 2>([&](int, int nt, int e, int row, int col) {
+          const float pv = col <= row ? exP[row * 17 + col] : 0.f;
+          const float lv = col < row ? exL[row * 17 + col] : 0.f;
+          dP[0][nt].x[e] += pv;
+          dL[0][nt].x[e] += lv;
+        });
+        __syncwarp();
+      }
+    }
+    __syncthreads();
+  }
+
+  // Epilogue of the intra-chunk matrices: Aqk = scale * tril(P) to the workspace, L (strictly lower,
+  // rows scaled by beta) to shared memory.
+  if (has_block) {
+    const int r0 = 16 * ab;
+    for_each_acc<1, NOFF>([&](int, int nt, int e, int row, int col) {
+      if (2 * ab > nt) {
+        ws_a[(r0 + row) * C + col] = to_elem<Elem>(a.scale * accP[0][nt].x[e]);
+        sLT[(r0 + row) * L::LDL + col] = sBeta[r0 + row] * accL[0][nt].x[e];
+      }
+    });
+    for_each_acc<1, 2>([&](int, int nt, int e, int row, int col) {
+      ws_a[(r0 + row) * C + r0 + col] = to_elem<Elem>(col <= row ? a.scale * dP[0][nt].x[e] : 0.f);
+      sLT[(r0 + row) * L::LDL + r0 + col] = col < row ? sBeta[r0 + row] * dL[0][nt].x[e] : 0.f;
+    });
+    const int upper = C - 16 * (ab + 1);
+    for (int e = lane; e < 16 * upper; e += 32) {
+      ws_a[(r0 + e / upper) * C + 16 * (ab + 1) + e % upper] = to_elem<Elem>(0.f);
+    }
+  }
+  __syncthreads();
+
+  // Tm = (I + L)^-1. Diagonal 16x16 blocks by forward substitution (lane j solves column j), in place.
+  if (has_block) {
+    float x[16];
+    if (lane < 16) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        float s = i == lane ? 1.f : 0.f;
+#pragma unroll
+        for (int mm = 0; mm < 16; ++mm) {
+          if (mm < i) s -= sLT[(16 * ab + i) * L::LDL + 16 * ab + mm] * x[mm];
+        }
+        x[i] = s;
+      }
+    }
+    __syncwarp();
+    if (lane < 16) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) sLT[(16 * ab + i) * L::LDL + 16 * ab + lane] = x[i];
+    }
+  }
+  __syncthreads();
+  // Row blocks ra = 1.. : T[ra][bb] = -D[ra] * sum_{m=bb}^{ra-1} L[ra][m] T[m][bb].
+  for (int ra = 1; ra < NSUB; ++ra) {
+    for (int e = tid; e < ra * 256; e += 128) {
+      const int bb = e >> 8, i = (e >> 4) & 15, cc = e & 15;
+      float s = 0.f;
+      for (int mm = 16 * bb; mm < 16 * ra; ++mm) s += sLT[(16 * ra + i) * L::LDL + mm] * sLT[mm * L::LDL + 16 * bb + cc];
+      sX[(bb * 16 + i) * 17 + cc] = s;
+    }
+    __syncthreads();
+    for (int e = tid; e < ra * 256; e += 128) {
+      const int bb = e >> 8, i = (e >> 4) & 15, cc = e & 15;
+      float s = 0.f;
+#pragma unroll
+      for (int l = 0; l < 16; ++l) s -= sLT[(16 * ra + i) * L::LDL + 16 * ra + l] * sX[(bb * 16 + l) * 17 + cc];
+      sLT[(16 * ra + i) * L::LDL + 16 * bb + cc] = s;
+    }
+    __syncthreads();
+  }
+  // Tm * diag(beta) as the A operand of w and u.
+  for (int e = tid; e < C * C; e += 128) {
+    const int i = e / C, j = e % C;
+    sTb[i * L::LDC + j] = to_elem<Elem>(j <= i ? sLT[i * L::LDL + j] * sBeta[j] : 0.f);
+  }
+  __syncthreads();
+  // w = Tm diag(beta) (k exp2(G)), 64 columns at a time.
+  if (has_block) {
+    for (int ks = 0; ks < NKS; ++ks) {
+      FragC acc[1][8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[0][i].zero();
+      warp_gemm<Elem, 1, 8, false, true>(acc, sTb, L::LDC, 16 * ab, sKbg + 64 * ks, L::LDKP, 0, 0, ab + 1);
+      for_each_acc<1, 8>([&](int, int nt, int e, int row, int col) {
+        if ((e & 1) == 0) {
+          Op::store2(ws_w + (16 * ab + row) * KP + 64 * ks + col, acc[0][nt].x[e], acc[0][nt].x[e + 1]);
+        }
+      });
+    }
+  }
+  // u = Tm diag(beta) v, 64 value columns at a time.
+  for (int vs = 0; vs < a.VP / 64; ++vs) {
+    for (int e = tid; e < C * 64; e += 128) {
+      const int r = e >> 6, dl = e & 63, vv = 64 * vs + dl;
+      const float x = (r < nrows && vv < a.V) ? to_float(vp[a.v.offset(b, row0 + r, hv) + vv]) : 0.f;
+      sV[r * L::LD64 + dl] = to_elem<Elem>(x);
+    }
+    __syncthreads();
+    if (has_block) {
+      FragC acc[1][8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[0][i].zero();
+      warp_gemm<Elem, 1, 8, false, true>(acc, sTb, L::LDC, 16 * ab, sV, L::LD64, 0, 0, ab + 1);
+      for_each_acc<1, 8>([&](int, int nt, int e, int row, int col) {
+        if ((e & 1) == 0) {
+          Op::store2(ws_u + (16 * ab + row) * a.VP + 64 * vs + col, acc[0][nt].x[e], acc[0][nt].x[e + 1]);
+        }
+      });
+    }
+    __syncthreads();
+  }
+}
+
+// ---- recurrence ------------------------------------------------------------------------------------------
+
+template <typename Elem, int KP, int BV>
+struct RecurrenceLayout {
+  static constexpr int PAD = smem_pad<Elem>();
+  static constexpr int LDK = KP + PAD, LDB = BV + PAD, LDA = 64 + PAD;
+  static constexpr int STAGES = (sizeof(Elem) == 2 && KP <= 128) ? 2 : 1;
+  // Split operands at K = 256 do not fit three [64][KP] tiles: w, qg and kg then take turns in one buffer.
+  static constexpr bool ONE_TILE = sizeof(Elem) == 4 && KP > 128;
+  static constexpr int TILES = ONE_TILE ? 1 : 3;
+  static constexpr size_t stage_bytes() {
+    return sizeof(Elem) * (TILES * 64 * LDK + 64 * LDB + 64 * LDA) + 4 * KP;
+  }
+  static constexpr size_t stage_stride() { return (stage_bytes() + 15) & ~size_t(15); }
+  static constexpr size_t bytes() { return STAGES * stage_stride() + sizeof(Elem) * (KP * LDB + 64 * LDB) + 64; }
+};
+
+template <typename Elem, int KP, int BV>
+__global__ void __launch_bounds__(128) recurrence_kernel(const ForwardArgs a) {
+  using L = RecurrenceLayout<Elem, KP, BV>;
+  using Op = Operand<Elem>;
+  constexpr int MT = KP / 64, NTV = BV / 8, ROWS = KP / 4;
+  constexpr int EPC = 16 / sizeof(Elem);  // elements per 16-byte copy
+  const int C = a.chunk;
+  const int VT = (a.V + BV - 1) / BV;
+  int64_t idx = blockIdx.x;
+  const int vt = static_cast<int>(idx % VT);
+  idx /= VT;
+  const int hv = static_cast<int>(idx % a.HV);
+  const int n = static_cast<int>(idx / a.HV);
+  const int v0 = vt * BV;
+  int64_t b, t0, len;
+  a.sequence(n, b, t0, len);
+  const int64_t nch = (len + C - 1) / C;
+  const int64_t base = a.chunk_offsets[n];
+  const int tid = threadIdx.x, warp = tid >> 5;
+
+  extern __shared__ __align__(16) char smem_raw[];
+  struct Stage {
+    Elem *w, *q, *k, *u, *a;
+    float* gam;
+  };
+  auto stage = [&](int st) {
+    Stage t;
+    char* p = smem_raw + st * L::stage_stride();
+    t.w = reinterpret_cast<Elem*>(p);
+    t.q = L::ONE_TILE ? t.w : t.w + 64 * L::LDK;
+    t.k = L::ONE_TILE ? t.w : t.q + 64 * L::LDK;
+    t.u = t.w + L::TILES * 64 * L::LDK;
+    t.a = t.u + 64 * L::LDB;
+    t.gam = reinterpret_cast<float*>(t.a + 64 * L::LDA);
+    return t;
+  };
+  Elem* sS = reinterpret_cast<Elem*>(smem_raw + L::STAGES * L::stage_stride());  // [KP][LDB]
+  Elem* sVn = sS + KP * L::LDB;                                                  // [64][LDB]
+
+  // Slots: read initial_state[slot] and write final_state[slot]; -1 neither.
+  int64_t slot = n;
+  if (a.state_indices.present()) slot = a.state_indices.load_int(n);
+  const bool read = a.initial.ptr.present() && slot >= 0 &&
+                    (!a.has_initial_state.present() || a.has_initial_state.load_int(n) != 0);
+  const bool write = a.final_state.ptr.present() && slot >= 0;
+
+  FragC S[MT][NTV];
+  for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
+    const int d = warp * ROWS + row, v = v0 + col;
+    float x = 0.f;
+    if (read && d < a.K && v < a.V) x = a.initial.ptr.load(a.initial.offset(slot, hv, d, v, a.K, a.V, a.vk));
+    S[mt][nt].x[e] = x;
+  });
+
+  auto tile_of = [&](void* ws, int64_t ci) {
+    return static_cast<const Elem*>(ws) + ((base + ci) * a.HV + hv) * C * KP;
+  };
+  auto copy_tile = [&](Elem* dst, const Elem* src) {  // [C][KP] from the workspace
+    constexpr int KC = KP / EPC;
+    for (int e = tid; e < C * KC; e += 128) {
+      const int r = e / KC, cc = (e % KC) * EPC;
+      cp_async16(dst + r * L::LDK + cc, src + r * KP + cc);
+    }
+  };
+  // Loads chunk ci into stage st (in ONE_TILE mode only w of the three [C][KP] tiles).
+  auto issue = [&](int64_t ci, int st) {
+    const Stage t = stage(st);
+    const int64_t tile = (base + ci) * a.HV + hv;
+    copy_tile(t.w, tile_of(a.ws_w, ci));
+    if constexpr (!L::ONE_TILE) {
+      copy_tile(t.q, tile_of(a.ws_qg, ci));
+      copy_tile(t.k, tile_of(a.ws_kg, ci));
+    }
+    const Elem* gu = static_cast<const Elem*>(a.ws_u) + tile * C * a.VP + v0;
+    constexpr int BC = BV / EPC;
+    for (int e = tid; e < C * BC; e += 128) {
+      const int r = e / BC, cc = (e % BC) * EPC;
+      cp_async16(t.u + r * L::LDB + cc, gu + r * a.VP + cc);
+    }
+    const Elem* ga = static_cast<const Elem*>(a.ws_a) + tile * C * C;
+    const int AC = C / EPC;
+    for (int e = tid; e < C * AC; e += 128) {
+      const int r = e / AC, cc = (e % AC) * EPC;
+      cp_async16(t.a + r * L::LDA + cc, ga + r * C + cc);
+    }
+    const float* gg = a.ws_gam + tile * KP;
+    for (int e = tid; e < KP / 4; e += 128) cp_async16(t.gam + 4 * e, gg + 4 * e);
+    cp_async_commit();
+  };
+  auto reload = [&](Elem* dst, void* ws, int64_t ci) {  // ONE_TILE: swap the next tile in
+    __syncthreads();
+    copy_tile(dst, tile_of(ws, ci));
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+  };
+
+  if (nch > 0) issue(0, 0);
+  for (int64_t ci = 0; ci < nch; ++ci) {
+    const int st = L::STAGES == 2 ? static_cast<int>(ci & 1) : 0;
+    cp_async_wait<0>();
+    __syncthreads();  // chunk ci visible; every warp is done with chunk ci-1
+    if (L::STAGES == 2 && ci + 1 < nch) issue(ci + 1, st ^ 1);
+    const Stage t = stage(st);
+    const int nrows = static_cast<int>(min(static_cast<int64_t>(C), len - ci * C));
+
+    // The chunk-start state: to the intermediate states, to shared memory (B operand), then decayed.
+    const bool inter = a.inter.present();
+    const int64_t inter_base = a.cu_seqlens.present() ? (base + ci) * a.inter_sc : b * a.inter_sb + ci * a.inter_sc;
+    for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
+      const int d = warp * ROWS + row, v = v0 + col;
+      if (inter && d < a.K && v < a.V) {
+        a.inter.store(inter_base + hv * a.inter_sh + (a.vk ? int64_t(v) * a.K + d : int64_t(d) * a.V + v),
+                      S[mt][nt].x[e]);
+      }
+      if ((e & 1) == 0) Op::store2(sS + d * L::LDB + col, S[mt][nt].x[e], S[mt][nt].x[e + 1]);
+    });
+    for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int) { S[mt][nt].x[e] *= t.gam[warp * ROWS + row]; });
+    __syncthreads();
+
+    // v_new = u - w S and o = qg S for this warp's 16 rows.
+    FragC vn[1][NTV], o[1][NTV];
+#pragma unroll
+    for (int i = 0; i < NTV; ++i) { vn[0][i].zero(); o[0][i].zero(); }
+    const bool rows_here = 16 * warp < C;
+    if (rows_here) {
+      warp_gemm<Elem, 1, NTV, false, true>(vn, t.w, L::LDK, 16 * warp, sS, L::LDB, 0, 0, KP / 16);
+      if constexpr (!L::ONE_TILE) warp_gemm<Elem, 1, NTV, false, true>(o, t.q, L::LDK, 16 * warp, sS, L::LDB, 0, 0, KP / 16);
+      for_each_acc<1, NTV>([&](int, int nt, int e, int row, int col) {
+        if ((e & 1) == 0) {
+          const int r = 16 * warp + row;
+          const float u0 = to_float(t.u[r * L::LDB + col]), u1 = to_float(t.u[r * L::LDB + col + 1]);
+          Op::store2(sVn + r * L::LDB + col, u0 - vn[0][nt].x[e], u1 - vn[0][nt].x[e + 1]);
+        }
+      });
+    }
+    if constexpr (L::ONE_TILE) {
+      reload(t.w, a.ws_qg, ci);
+      if (rows_here) warp_gemm<Elem, 1, NTV, false, true>(o, t.w, L::LDK, 16 * warp, sS, L::LDB, 0, 0, KP / 16);
+    } else {
+      __syncthreads();
+    }
+    if (rows_here) {
+      warp_gemm<Elem, 1, NTV, false, true>(o, t.a, L::LDA, 16 * warp, sVn, L::LDB, 0, 0, warp + 1);
+      for_each_acc<1, NTV>([&](int, int nt, int e, int row, int col) {
+        const int r = 16 * warp + row, v = v0 + col;
+        if (r < nrows && v < a.V) {
+          const int64_t tok = t0 + ci * C + r;
+          a.out.store(b * a.out_sb + tok * a.out_st + hv * a.out_sh + v, o[0][nt].x[e]);
+        }
+      });
+    }
+    // S += kg^T v_new for this warp's state rows.
+    if constexpr (L::ONE_TILE) reload(t.w, a.ws_kg, ci);
+    warp_gemm<Elem, MT, NTV, true, true>(S, t.k, L::LDK, warp * ROWS, sVn, L::LDB, 0, 0, C / 16);
+    if (L::STAGES == 1 && ci + 1 < nch) {
+      __syncthreads();
+      issue(ci + 1, 0);
+    }
+  }
+  if (write) {
+    for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
+      const int d = warp * ROWS + row, v = v0 + col;
+      if (d < a.K && v < a.V) {
+        a.final_state.ptr.store(a.final_state.offset(slot, hv, d, v, a.K, a.V, a.vk), S[mt][nt].x[e]);
+      }
+    });
+  }
+}
+
+}  // namespace kdakit::cuda

@@ -1,0 +1,82 @@
+// Kernel selection and launch of the chunked forward for one input dtype (instantiated per dtype in
+// forward_<dtype>.cu so the three compile in parallel).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/forward/kernels.cuh"
+#include "kdakit/error.h"
+
+namespace kdakit::cuda {
+
+inline void check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw CudaError(std::string("kdakit: ") + what + " launch failed: " + cudaGetErrorString(err));
+}
+
+template <typename Kernel>
+inline void set_smem(Kernel kernel, size_t bytes) {
+  if (bytes > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (err != cudaSuccess) throw CudaError(std::string("kdakit: shared memory request failed: ") + cudaGetErrorString(err));
+  }
+}
+
+template <typename InT, typename Elem, int C, int KP>
+void launch_prepare(const ForwardArgs& a, cudaStream_t stream) {
+  using L = PrepareLayout<Elem, C, KP>;
+  auto kernel = prepare_kernel<InT, Elem, C, KP>;
+  set_smem(kernel, L::bytes());
+  const dim3 grid(static_cast<unsigned>(a.num_slots), static_cast<unsigned>(a.HV));
+  kernel<<<grid, 128, L::bytes(), stream>>>(a);
+  check_launch("prepare_kernel");
+}
+
+template <typename Elem, int KP, int BV>
+void launch_recurrence(const ForwardArgs& a, cudaStream_t stream) {
+  using L = RecurrenceLayout<Elem, KP, BV>;
+  auto kernel = recurrence_kernel<Elem, KP, BV>;
+  set_smem(kernel, L::bytes());
+  const int64_t ctas = int64_t(a.N) * a.HV * ((a.V + BV - 1) / BV);
+  kernel<<<static_cast<unsigned>(ctas), 128, L::bytes(), stream>>>(a);
+  check_launch("recurrence_kernel");
+}
+
+template <typename InT>
+void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t stream) {
+  using Elem = typename std::conditional<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16, float>::type;
+  chunk_offsets_kernel<<<1, 1024, 0, stream>>>(a);
+  check_launch("chunk_offsets_kernel");
+  if (a.num_slots > 0) {
+    auto prep = [&](auto c_tag) {
+      constexpr int C = decltype(c_tag)::value;
+      switch (cfg.KP) {
+        case 64: launch_prepare<InT, Elem, C, 64>(a, stream); break;
+        case 128: launch_prepare<InT, Elem, C, 128>(a, stream); break;
+        default: launch_prepare<InT, Elem, C, 256>(a, stream); break;
+      }
+    };
+    if (cfg.chunk == 32) prep(std::integral_constant<int, 32>());
+    else prep(std::integral_constant<int, 64>());
+  }
+  if (a.N == 0) return;
+  auto rec = [&](auto kp_tag) {
+    constexpr int KP = decltype(kp_tag)::value;
+    switch (cfg.BV) {
+      case 16: launch_recurrence<Elem, KP, 16>(a, stream); break;
+      case 32: launch_recurrence<Elem, KP, 32>(a, stream); break;
+      default:
+        if constexpr (KP <= 128) launch_recurrence<Elem, KP, 64>(a, stream);
+        else launch_recurrence<Elem, KP, 32>(a, stream);
+    }
+  };
+  switch (cfg.KP) {
+    case 64: rec(std::integral_constant<int, 64>()); break;
+    case 128: rec(std::integral_constant<int, 128>()); break;
+    default: rec(std::integral_constant<int, 256>()); break;
+  }
+}
+
+}  // namespace kdakit::cuda
