@@ -173,7 +173,7 @@ def test_outputs_fully_written_and_pool_slots_untouched():
         o, st = kdakit.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, cu_seqlens=x["cu"],
                                  ssm_state_indices=idx, out=out, **kw)
     assert o is out and torch.isfinite(out).all()
-    ref_h0 = torch.stack([before[7], torch.zeros_like(before[0]), torch.zeros_like(before[0])])
+    ref_h0 = torch.stack([before[7], torch.zeros_like(before[0]), before[2]])
     ro, rht = reference(dict(x, h0=ref_h0))
     assert rel_rms(out, ro) <= 4e-3
     assert rel_rms(pool[7], rht[0]) <= 4e-3 and rel_rms(pool[2], rht[2]) <= 4e-3
