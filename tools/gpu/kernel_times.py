@@ -1,6 +1,6 @@
 """Per-kernel GPU times (torch.profiler) of kdakit and FLA on one benchmark row: where the time goes.
 
-    python3 tools/gpu/profile.py [row name substring] [...]
+    python3 tools/gpu/kernel_times.py [row name substring] [...]
 """
 import sys
 
