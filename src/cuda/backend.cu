@@ -179,6 +179,14 @@ void forward(const ForwardParams& p, const detail::Plan& plan, void* stream) {
   a.lower_bound = p.in.gate.lower_bound;
   a.scale = p.in.scale;
   a.l2norm = p.in.qk_l2norm;
+  {
+    const int64_t epc = 16 / static_cast<int64_t>(dtype_size(p.in.q.dtype));
+    auto aligned = [&](const TensorView& t) {
+      return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && t.strides[0] % epc == 0 && t.strides[1] % epc == 0 &&
+             t.strides[2] % epc == 0;
+    };
+    a.vec_qk = pr.K % epc == 0 && aligned(p.in.q) && aligned(p.in.k);
+  }
   a.beta_sigmoid = p.in.beta_sigmoid;
   a.neg_eigval = p.in.allow_neg_eigval;
   a.B = static_cast<int>(pr.B);

@@ -55,7 +55,7 @@ __global__ void chunk_offsets_kernel(const ForwardArgs a);
 
 // ---- prepare ---------------------------------------------------------------------------------------------
 
-template <typename Elem, int C, int KP>
+template <typename InT, typename Elem, int C, int KP>
 struct PrepareLayout {
   static constexpr int NSUB = C / 16;
   static constexpr int PAD = smem_pad<Elem>();
@@ -67,19 +67,46 @@ struct PrepareLayout {
   static constexpr int KB_ROWS = (8 * NSUB * (NSUB - 1) > C) ? 8 * NSUB * (NSUB - 1) : C;
   static constexpr int TILE_ELEMS = (2 * C + KB_ROWS) * LD64;  // phase A tiles; phase B reuses them
   static_assert(C * LDC + C * LD64 <= TILE_ELEMS, "phase B tiles must fit the phase A region");
+  static constexpr size_t r16(size_t b) { return (b + 15) & ~size_t(15); }
+  // Slice phase: gates of one 64-dim slice and the exact path's scratch; then the inverse reuses the space.
+  static constexpr size_t slice_bytes() { return r16(4 * C * LDG) + r16(4 * 4 * 2 * 16 * 17); }
+  static constexpr size_t inverse_bytes() { return r16(4 * C * LDL) + r16(4 * (NSUB > 1 ? NSUB - 1 : 1) * 16 * 17); }
+  static constexpr size_t union_bytes() { return slice_bytes() > inverse_bytes() ? slice_bytes() : inverse_bytes(); }
   static constexpr size_t bytes() {
-    auto r = [](size_t b) { return (b + 15) & ~size_t(15); };
-    return r(sizeof(Elem) * TILE_ELEMS) + r(sizeof(Elem) * C * LDKP) + r(4 * C * LDL) + r(4 * (NSUB > 1 ? NSUB - 1 : 1) * 16 * 17) +
-           r(4 * C * LDG) + r(4 * NSUB * 64) + 3 * r(4 * C) + r(4 * 2 * NSUB) + r(4 * 4 * 2 * 16 * 17);
+    return 2 * r16(sizeof(InT) * C * KP) + r16(sizeof(Elem) * TILE_ELEMS) + r16(sizeof(Elem) * C * LDKP) +
+           union_bytes() + r16(4 * NSUB * 64) + 3 * r16(4 * C) + r16(4 * 2 * NSUB);
   }
 };
 
 // First row of row block a's off-diagonal B operand in sKb (row block a needs rows [0, 16a)).
 __host__ __device__ constexpr int kb_offset(int a) { return 8 * a * (a - 1); }
 
+// Copies rows [0, nrows) x cols [0, cols) of a token tensor into a dense smem tile [C][ld] (InT), zero elsewhere.
+// vec: 16-byte copies are legal (aligned base, strides and cols).
+template <typename InT, int C>
+__device__ __forceinline__ void stage_rows(InT* dst, int ld, const InT* src, const TokenTensor& t, int64_t b,
+                                           int64_t row0, int h, int nrows, int cols, bool vec) {
+  constexpr int EPC = 16 / sizeof(InT);
+  const int tid = threadIdx.x;
+  const int pieces = ld / EPC;
+  for (int e = tid; e < C * pieces; e += blockDim.x) {
+    const int r = e / pieces, c0 = (e % pieces) * EPC;
+    InT* d = dst + r * ld + c0;
+    if (vec && r < nrows && c0 < cols) {
+      cp_async16(d, src + t.offset(b, row0 + r, h) + c0);
+    } else {
+#pragma unroll
+      for (int j = 0; j < EPC; ++j) {
+        const bool in = r < nrows && c0 + j < cols;
+        d[j] = in ? src[t.offset(b, row0 + r, h) + c0 + j] : InT(0.f);
+      }
+    }
+  }
+}
+
 template <typename InT, typename Elem, int C, int KP>
 __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
-  using L = PrepareLayout<Elem, C, KP>;
+  using L = PrepareLayout<InT, Elem, C, KP>;
   using Op = Operand<Elem>;
   constexpr int NSUB = L::NSUB, NKS = KP / 64, NOFF = NSUB > 1 ? 2 * (NSUB - 1) : 2;
   const int64_t slot = blockIdx.x;
@@ -112,6 +139,8 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
 
   extern __shared__ __align__(16) char smem_raw[];
   SmemCursor cur{smem_raw};
+  InT* sQraw = cur.take<InT>(C * KP);  // [C][KP] raw q rows of this chunk (zero past the sequence and past K)
+  InT* sKraw = cur.take<InT>(C * KP);
   Elem* tiles = cur.take<Elem>(L::TILE_ELEMS);
   Elem* sQa = tiles;                      // [C][LD64]  A operand: q (off-diagonal), then q*e^sigma (diagonal)
   Elem* sKa = tiles + C * L::LD64;        // [C][LD64]  A operand: k, likewise
@@ -119,17 +148,22 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
   Elem* sTb = tiles;                      // phase B: [C][LDC] Tm * diag(beta)
   Elem* sV = tiles + C * L::LDC;          // phase B: [C][LD64] a 64-column slice of v
   Elem* sKbg = cur.take<Elem>(C * L::LDKP);  // [C][LDKP] k * exp2(G)
-  float* sLT = cur.take<float>(C * L::LDL);  // [C][LDL] L, then Tm in place
-  float* sX = cur.take<float>((NSUB > 1 ? NSUB - 1 : 1) * 16 * 17);
-  float* sGate = cur.take<float>(C * L::LDG);  // [C][LDG] gate (log2 units) of the current slice
+  char* uni = cur.p;
+  cur.p += L::union_bytes();
+  float* sGate = reinterpret_cast<float*>(uni);                              // slice phase [C][LDG]
+  float* sEx = reinterpret_cast<float*>(uni + L::r16(4 * C * L::LDG));      // slice phase, exact path
+  float* sLT = reinterpret_cast<float*>(uni);                                // inverse phase [C][LDL]
+  float* sX = reinterpret_cast<float*>(uni + L::r16(4 * C * L::LDL));
   float* sTot = cur.take<float>(NSUB * 64);    // [NSUB][64] sub-chunk totals of the current slice
   float* sRq = cur.take<float>(C);
   float* sRk = cur.take<float>(C);
   float* sBeta = cur.take<float>(C);
   int* sMax = cur.take<int>(2 * NSUB);
-  float* sEx = cur.take<float>(4 * 2 * 16 * 17);  // per-warp scratch of the exact diagonal path
 
-  // Stage 0: beta, reciprocal norms; L zeroed (its upper part stays zero).
+  // Stage 0: raw q, k rows into shared memory in one burst; beta; reciprocal norms.
+  stage_rows<InT, C>(sQraw, KP, qp, a.q, b, row0, h, nrows, a.K, a.vec_qk);
+  stage_rows<InT, C>(sKraw, KP, kp, a.k, b, row0, h, nrows, a.K, a.vec_qk);
+  cp_async_commit();
   for (int r = tid; r < C; r += 128) {
     float bt = 0.f;
     if (r < nrows) {
@@ -138,27 +172,23 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
     }
     sBeta[r] = bt;
   }
-  for (int e = tid; e < C * L::LDL; e += 128) sLT[e] = 0.f;
   if (tid < 2 * NSUB) sMax[tid] = 0;
+  cp_async_wait<0>();
+  __syncthreads();
   for (int task = warp; task < 2 * C; task += 4) {
     const int r = task >> 1;
-    const bool is_k = task & 1;
-    float rs = 0.f;
-    if (r < nrows) {
-      if (a.l2norm) {
-        const InT* p = is_k ? kp + a.k.offset(b, row0 + r, h) : qp + a.q.offset(b, row0 + r, h);
-        float ss = 0.f;
-        for (int d = lane; d < a.K; d += 32) {
-          const float x = to_float(p[d]);
-          ss += x * x;
-        }
-        ss = warp_sum(ss);
-        rs = 1.0f / sqrtf(ss + static_cast<float>(math::kL2NormEps));
-      } else {
-        rs = 1.f;
-      }
+    const InT* row = (task & 1 ? sKraw : sQraw) + r * KP;
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < KP / 32; ++i) {
+      const float x = to_float(row[lane + 32 * i]);
+      ss += x * x;
     }
-    if (lane == 0) (is_k ? sRk : sRq)[r] = rs;
+    ss = warp_sum(ss);
+    if (lane == 0) {
+      const float rs = r < nrows ? (a.l2norm ? 1.0f / sqrtf(ss + static_cast<float>(math::kL2NormEps)) : 1.f) : 0.f;
+      (task & 1 ? sRk : sRq)[r] = rs;
+    }
   }
   const float A_log = a.A_log.present() ? a.A_log.load(hv) : 0.f;
   __syncthreads();
@@ -169,6 +199,8 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
   dP[0][0].zero(); dP[0][1].zero(); dL[0][0].zero(); dL[0][1].zero();
   const int ab = warp;  // this warp's row block
   const bool has_block = ab < NSUB;
+  auto qn = [&](int r, int d) { return to_float(sQraw[r * KP + d]) * sRq[r]; };
+  auto kn = [&](int r, int d) { return to_float(sKraw[r * KP + d]) * sRk[r]; };
 
   for (int ks = 0; ks < NKS; ++ks) {
     const int d0 = ks * 64;
@@ -178,17 +210,20 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
     for (int pr = tid; pr < 64 * NSUB; pr += 128) {
       const int dl = pr & 63, sb = pr >> 6, d = d0 + dl;
       float gv[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {  // all loads first: one memory latency for the 16 rows
+        const int r = sb * 16 + i;
+        gv[i] = (r < nrows && d < a.K) ? to_float(gp[a.g.offset(b, row0 + r, hv) + d]) : 0.f;
+      }
+      const float bias = (a.gate_mode != 0 && a.dt_bias.present() && d < a.K) ? a.dt_bias.load(int64_t(hv) * a.K + d) : 0.f;
       float tot = 0.f;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         const int r = sb * 16 + i;
         float x = 0.f;
         if (r < nrows && d < a.K) {
-          x = to_float(gp[a.g.offset(b, row0 + r, hv) + d]);
-          if (a.gate_mode != 0) {
-            if (a.dt_bias.present()) x += a.dt_bias.load(int64_t(hv) * a.K + d);
-            x = math::gate_value<float>(a.gate_mode, x, A_log, a.A_log.present(), a.lower_bound);
-          }
+          x = gv[i];
+          if (a.gate_mode != 0) x = math::gate_value<float>(a.gate_mode, x + bias, A_log, a.A_log.present(), a.lower_bound);
           x *= kLog2e;
         }
         gv[i] = x;
@@ -210,16 +245,29 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
       atomicMax(&maxs[sb], __float_as_int(mx));
     }
     __syncthreads();
-    // (ii) Off-diagonal operands (anchored at each row block's first row) and the chunk-level outputs.
+    // (ii) Off-diagonal operands (anchored at each row block's first row) and the chunk-level outputs. Factors
+    //      over disjoint token ranges multiply (all are <= 1), so each element needs two exponentials.
     if (tid < NSUB) sMax[((ks + 1) & 1) * NSUB + tid] = 0;  // the other slice's maxima were read a sync ago
     for (int pr = tid; pr < 64 * NSUB; pr += 128) {
       const int dl = pr & 63, sb = pr >> 6, d = d0 + dl;
       float before = 0.f, after = 0.f;
-      for (int cb = 0; cb < NSUB; ++cb) {
-        const float t = sTot[cb * 64 + dl];
-        if (cb < sb) before += t;
-        if (cb > sb) after += t;
+      float emid[NSUB];  // exp2 of the totals strictly between sb and row block rb
+      {
+        float mid = 0.f;
+#pragma unroll
+        for (int cb = 0; cb < NSUB; ++cb) {
+          const float t = sTot[cb * 64 + dl];
+          if (cb < sb) before += t;
+          if (cb > sb) {
+            emid[cb] = exp2f(mid);
+            mid += t;
+            after += t;
+          } else {
+            emid[cb] = 0.f;
+          }
+        }
       }
+      const float eb = exp2f(before), ea = exp2f(after);
       float gv[16], rho[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) gv[i] = sGate[(sb * 16 + i) * L::LDG + dl];
@@ -231,23 +279,17 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
       for (int i = 0; i < 16; ++i) {
         const int r = sb * 16 + i;
         lam += gv[i];
-        float qv = 0.f, kv = 0.f;
-        if (r < nrows && d < a.K) {
-          qv = to_float(qp[a.q.offset(b, row0 + r, h) + d]) * sRq[r];
-          kv = to_float(kp[a.k.offset(b, row0 + r, h) + d]) * sRk[r];
-        }
-        const float eh = exp2f(lam);
+        const float qv = qn(r, d), kv = kn(r, d);
+        const float eh = exp2f(lam), er = exp2f(rho[i]);
         sQa[r * L::LD64 + dl] = to_elem<Elem>(qv * eh);
         sKa[r * L::LD64 + dl] = to_elem<Elem>(kv * eh);
-        float mid = 0.f;
-        for (int rb = sb + 1; rb < NSUB; ++rb) {
-          sKb[(kb_offset(rb) + r) * L::LD64 + dl] = to_elem<Elem>(kv * exp2f(rho[i] + mid));
-          mid += sTot[rb * 64 + dl];
+#pragma unroll
+        for (int rb = 1; rb < NSUB; ++rb) {
+          if (rb > sb) sKb[(kb_offset(rb) + r) * L::LD64 + dl] = to_elem<Elem>(kv * er * emid[rb]);
         }
-        const float eg = exp2f(lam + before);
-        Op::store(ws_qg + r * KP + d, a.scale * qv * eg);
-        Op::store(ws_kg + r * KP + d, kv * exp2f(rho[i] + after));
-        sKbg[r * L::LDKP + d] = to_elem<Elem>(kv * eg);
+        Op::store(ws_qg + r * KP + d, a.scale * qv * eh * eb);
+        Op::store(ws_kg + r * KP + d, kv * er * ea);
+        sKbg[r * L::LDKP + d] = to_elem<Elem>(kv * eh * eb);
       }
       if (sb == 0) ws_gam[d] = exp2f(sTot[dl] + after);
     }
@@ -281,15 +323,11 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         const int r = sb * 16 + i;
-        float qv = 0.f, kv = 0.f;
-        if (r < nrows && d < a.K) {
-          qv = to_float(qp[a.q.offset(b, row0 + r, h) + d]) * sRq[r];
-          kv = to_float(kp[a.k.offset(b, row0 + r, h) + d]) * sRk[r];
-        }
-        const float e = exp2f(sg[i]);
+        const float qv = qn(r, d), kv = kn(r, d);
+        const float e = exp2f(sg[i]), ei = exp2f(-sg[i]);
         sQa[r * L::LD64 + dl] = to_elem<Elem>(qv * e);
         sKa[r * L::LD64 + dl] = to_elem<Elem>(kv * e);
-        sKb[r * L::LD64 + dl] = to_elem<Elem>(kv * exp2f(-sg[i]));
+        sKb[r * L::LD64 + dl] = to_elem<Elem>(kv * ei);
       }
     }
     __syncthreads();
@@ -304,11 +342,11 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
         float kk[2][16], al[2][16];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          const int dl = lane + 32 * u, d = d0 + dl;
+          const int dl = lane + 32 * u;
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
             const int r = 16 * ab + j;
-            kk[u][j] = (r < nrows && d < a.K) ? to_float(kp[a.k.offset(b, row0 + r, h) + d]) * sRk[r] : 0.f;
+            kk[u][j] = kn(r, d0 + dl);
             al[u][j] = exp2f(sGate[r * L::LDG + dl]);
           }
         }
@@ -317,8 +355,7 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
           float qi[2], ki[2], dec[2] = {1.f, 1.f};
 #pragma unroll
           for (int u = 0; u < 2; ++u) {
-            const int d = d0 + lane + 32 * u;
-            qi[u] = (r < nrows && d < a.K) ? to_float(qp[a.q.offset(b, row0 + r, h) + d]) * sRq[r] : 0.f;
+            qi[u] = qn(r, d0 + lane + 32 * u);
             ki[u] = kk[u][i];
           }
           for (int j = i; j >= 0; --j) {
@@ -351,7 +388,9 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
   }
 
   // Epilogue of the intra-chunk matrices: Aqk = scale * tril(P) to the workspace, L (strictly lower,
-  // rows scaled by beta) to shared memory.
+  // rows scaled by beta) to shared memory (the slice scratch is free now).
+  for (int e = tid; e < C * L::LDL; e += 128) sLT[e] = 0.f;
+  __syncthreads();
   if (has_block) {
     const int r0 = 16 * ab;
     for_each_acc<1, NOFF>([&](int, int nt, int e, int row, int col) {
@@ -430,12 +469,19 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
       });
     }
   }
-  // u = Tm diag(beta) v, 64 value columns at a time.
+  // u = Tm diag(beta) v, 64 value columns at a time (each thread loads its elements before storing any).
   for (int vs = 0; vs < a.VP / 64; ++vs) {
-    for (int e = tid; e < C * 64; e += 128) {
-      const int r = e >> 6, dl = e & 63, vv = 64 * vs + dl;
-      const float x = (r < nrows && vv < a.V) ? to_float(vp[a.v.offset(b, row0 + r, hv) + vv]) : 0.f;
-      sV[r * L::LD64 + dl] = to_elem<Elem>(x);
+    constexpr int PER = C * 64 / 128;
+    float vals[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int e = tid + 128 * j, r = e >> 6, vv = 64 * vs + (e & 63);
+      vals[j] = (r < nrows && vv < a.V) ? to_float(vp[a.v.offset(b, row0 + r, hv) + vv]) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int e = tid + 128 * j;
+      sV[(e >> 6) * L::LD64 + (e & 63)] = to_elem<Elem>(vals[j]);
     }
     __syncthreads();
     if (has_block) {

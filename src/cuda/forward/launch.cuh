@@ -26,7 +26,7 @@ inline void set_smem(Kernel kernel, size_t bytes) {
 
 template <typename InT, typename Elem, int C, int KP>
 void launch_prepare(const ForwardArgs& a, cudaStream_t stream) {
-  using L = PrepareLayout<Elem, C, KP>;
+  using L = PrepareLayout<InT, Elem, C, KP>;
   auto kernel = prepare_kernel<InT, Elem, C, KP>;
   set_smem(kernel, L::bytes());
   const dim3 grid(static_cast<unsigned>(a.num_slots), static_cast<unsigned>(a.HV));
