@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/backend.h"
@@ -122,6 +123,11 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
   auto ctas = [&](int bv) { return pr.N * pr.HV * ((pr.V + bv - 1) / bv); };
   int bv = fp.cfg.KP <= 128 ? 64 : 32;
   while (bv > 16 && ctas(bv) < (3 * sms) / 4) bv /= 2;
+  // Developer override for tuning (KDAKIT_FORWARD_BV=16|32|64); the result does not depend on it.
+  if (const char* env = std::getenv("KDAKIT_FORWARD_BV")) {
+    const int want = std::atoi(env);
+    if (want == 16 || want == 32 || (want == 64 && fp.cfg.KP <= 128)) bv = want;
+  }
   fp.cfg.BV = bv;
   auto align = [](size_t x) { return (x + 255) & ~size_t(255); };
   const size_t tiles = static_cast<size_t>(fp.slots) * pr.HV;
