@@ -14,7 +14,13 @@ for name, B, T, H, HV, lens in bench.FORWARD_SHAPES:
             bench.run_kdakit(x)
             torch.cuda.synchronize()
 PY
+stalls=""
+for r in long_scoreboard short_scoreboard barrier wait math_pipe_throttle mio_throttle lg_throttle not_selected \
+         selected dispatch_stall no_instruction tex_throttle imc_miss branch_resolving membar; do
+  stalls+="smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio,"
+done
 ncu --clock-control none -k regex:"prepare|recurrence" -c 2 \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis python3 /tmp/kdakit_ncu_case.py 2>&1 \
-  | grep -vE "^==PROF==|^    ---|^$" | grep -E "prepare|recurrence|Duration|Throughput|Occupancy|Registers|Shared Memory|Block Size|Stall|Warp Cycles|Issued|Eligible|Active Warps|Waves|L1|L2|DRAM|Mem" | head -120
+    --section SpeedOfLight --section Occupancy --metrics "${stalls}smsp__inst_executed.sum" \
+    python3 /tmp/kdakit_ncu_case.py 2>&1 \
+  | grep -vE "^==PROF==|^    ---|^$" \
+  | grep -E "prepare|recurrence|Duration|Throughput|Occupancy|Registers|stalled|inst_executed" | head -80

@@ -15,6 +15,13 @@
 
 namespace kdakit::cuda {
 
+// 2^x by the special function unit (relative error below 2^-22; results below 2^-126 flush to zero).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 struct FragA { uint32_t x[4]; };
 struct FragB { uint32_t x[2]; };
 struct FragC {
@@ -103,6 +110,17 @@ struct Operand<__nv_bfloat16> {
     ldsm_x4(r, s + n * ld + k);
     b[0][0].x[0] = r[0]; b[0][0].x[1] = r[1]; b[1][0].x[0] = r[2]; b[1][0].x[1] = r[3];
   }
+  // B fragment of one n-tile (n0..n0+7): from [N][K], or from [K][N].
+  __device__ __forceinline__ static void load_b1_nk(FragB (&b)[1], const __nv_bfloat16* s, int ld, int k0, int n0) {
+    const int lane = threadIdx.x & 31;
+    const int n = n0 + (lane & 7), k = k0 + ((lane >> 3) & 1) * 8;
+    ldsm_x2(b[0].x, s + n * ld + k);
+  }
+  __device__ __forceinline__ static void load_b1_kn(FragB (&b)[1], const __nv_bfloat16* s, int ld, int k0, int n0) {
+    const int lane = threadIdx.x & 31;
+    const int k = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    ldsm_x2_t(b[0].x, s + k * ld + n0);
+  }
   // B fragments for two n-tiles from a row-major [K][N] tile.
   __device__ __forceinline__ static void load_b_kn(FragB (&b)[2][1], const __nv_bfloat16* s, int ld, int k0, int n0) {
     const int lane = threadIdx.x & 31;
@@ -155,6 +173,18 @@ struct Operand<float> {
       pair(p + 8, b[j][0].x[1], b[j][1].x[1]);
     }
   }
+  __device__ __forceinline__ static void load_b1_nk(FragB (&b)[2], const float* s, int ld, int k0, int n0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float* p = s + (n0 + g) * ld + k0 + 2 * t;
+    pair(p, b[0].x[0], b[1].x[0]);
+    pair(p + 8, b[0].x[1], b[1].x[1]);
+  }
+  __device__ __forceinline__ static void load_b1_kn(FragB (&b)[2], const float* s, int ld, int k0, int n0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float* p = s + (k0 + 2 * t) * ld + n0 + g;
+    pair_strided(p, ld, b[0].x[0], b[1].x[0]);
+    pair_strided(p + 8 * ld, ld, b[0].x[1], b[1].x[1]);
+  }
   __device__ __forceinline__ static void load_b_kn(FragB (&b)[2][2], const float* s, int ld, int k0, int n0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -179,9 +209,9 @@ struct Operand<float> {
 // 2 * np_count n-tiles. A_T: A is stored transposed ([K][M]); B_KN: B is stored [K][N] (otherwise [N][K]).
 template <typename Elem, int MT, int NT, bool A_T, bool B_KN>
 __device__ __forceinline__ void warp_gemm(FragC (&acc)[MT][NT], const Elem* sa, int lda, int m0, const Elem* sb,
-                                          int ldb, int n0, int k0, int ksteps, int np_count = NT / 2) {
+                                          int ldb, int n0, int k0, int ksteps, int np_count = NT > 1 ? NT / 2 : 1) {
   using Op = Operand<Elem>;
-  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+  static_assert(NT == 1 || NT % 2 == 0, "n-tiles come in pairs, or alone");
   for (int ks = 0; ks < ksteps; ++ks) {
     const int k = k0 + 16 * ks;
     FragA a[MT][Op::kSplit];
@@ -189,6 +219,14 @@ __device__ __forceinline__ void warp_gemm(FragC (&acc)[MT][NT], const Elem* sa, 
     for (int mt = 0; mt < MT; ++mt) {
       if constexpr (A_T) Op::load_a_t(a[mt], sa, lda, m0 + 16 * mt, k);
       else Op::load_a(a[mt], sa, lda, m0 + 16 * mt, k);
+    }
+    if constexpr (NT == 1) {
+      FragB b[Op::kSplit];
+      if constexpr (B_KN) Op::load_b1_kn(b, sb, ldb, k, n0);
+      else Op::load_b1_nk(b, sb, ldb, k, n0);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) Op::mma(acc[mt][0], a[mt], b);
+      continue;
     }
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {

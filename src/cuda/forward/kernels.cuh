@@ -104,11 +104,13 @@ __device__ __forceinline__ void stage_rows(InT* dst, int ld, const InT* src, con
   }
 }
 
+constexpr int kPrepareThreads = 256;
+
 template <typename InT, typename Elem, int C, int KP>
-__global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
+__global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardArgs a) {
   using L = PrepareLayout<InT, Elem, C, KP>;
   using Op = Operand<Elem>;
-  constexpr int NSUB = L::NSUB, NKS = KP / 64, NOFF = NSUB > 1 ? 2 * (NSUB - 1) : 2;
+  constexpr int NSUB = L::NSUB, NKS = KP / 64, NOFF = NSUB > 1 ? 2 * (NSUB - 1) : 2, NTH = kPrepareThreads;
   const int64_t slot = blockIdx.x;
   const int hv = blockIdx.y;
   if (slot >= a.chunk_offsets[a.N]) return;
@@ -164,7 +166,7 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
   stage_rows<InT, C>(sQraw, KP, qp, a.q, b, row0, h, nrows, a.K, a.vec_qk);
   stage_rows<InT, C>(sKraw, KP, kp, a.k, b, row0, h, nrows, a.K, a.vec_qk);
   cp_async_commit();
-  for (int r = tid; r < C; r += 128) {
+  for (int r = tid; r < C; r += NTH) {
     float bt = 0.f;
     if (r < nrows) {
       bt = math::beta_value(a.beta.load(b * a.beta_sb + (row0 + r) * a.beta_st + hv * a.beta_sh), a.beta_sigmoid,
@@ -175,7 +177,7 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
   if (tid < 2 * NSUB) sMax[tid] = 0;
   cp_async_wait<0>();
   __syncthreads();
-  for (int task = warp; task < 2 * C; task += 4) {
+  for (int task = warp; task < 2 * C; task += NTH / 32) {
     const int r = task >> 1;
     const InT* row = (task & 1 ? sKraw : sQraw) + r * KP;
     float ss = 0.f;
@@ -193,11 +195,13 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
   const float A_log = a.A_log.present() ? a.A_log.load(hv) : 0.f;
   __syncthreads();
 
-  FragC accP[1][NOFF], accL[1][NOFF], dP[1][2], dL[1][2];
+  // Warp roles in the matrix stages: row block ab; role 0 computes P (-> Aqk), role 1 computes L.
+  FragC acc[1][NOFF], dacc[1][2];
 #pragma unroll
-  for (int i = 0; i < NOFF; ++i) { accP[0][i].zero(); accL[0][i].zero(); }
-  dP[0][0].zero(); dP[0][1].zero(); dL[0][0].zero(); dL[0][1].zero();
-  const int ab = warp;  // this warp's row block
+  for (int i = 0; i < NOFF; ++i) acc[0][i].zero();
+  dacc[0][0].zero();
+  dacc[0][1].zero();
+  const int ab = warp & 3, role = warp >> 2;
   const bool has_block = ab < NSUB;
   auto qn = [&](int r, int d) { return to_float(sQraw[r * KP + d]) * sRq[r]; };
   auto kn = [&](int r, int d) { return to_float(sKraw[r * KP + d]) * sRk[r]; };
@@ -207,7 +211,7 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
     int* maxs = sMax + (ks & 1) * NSUB;
     // (i) Gates of the slice (log2 units; zero past the sequence and past K), sub-chunk totals, and the
     //     largest exponent of each diagonal block's factorisation around its anchor row.
-    for (int pr = tid; pr < 64 * NSUB; pr += 128) {
+    for (int pr = tid; pr < 64 * NSUB; pr += NTH) {
       const int dl = pr & 63, sb = pr >> 6, d = d0 + dl;
       float gv[16];
 #pragma unroll
@@ -248,7 +252,7 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
     // (ii) Off-diagonal operands (anchored at each row block's first row) and the chunk-level outputs. Factors
     //      over disjoint token ranges multiply (all are <= 1), so each element needs two exponentials.
     if (tid < NSUB) sMax[((ks + 1) & 1) * NSUB + tid] = 0;  // the other slice's maxima were read a sync ago
-    for (int pr = tid; pr < 64 * NSUB; pr += 128) {
+    for (int pr = tid; pr < 64 * NSUB; pr += NTH) {
       const int dl = pr & 63, sb = pr >> 6, d = d0 + dl;
       float before = 0.f, after = 0.f;
       float emid[NSUB];  // exp2 of the totals strictly between sb and row block rb
@@ -259,7 +263,7 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
           const float t = sTot[cb * 64 + dl];
           if (cb < sb) before += t;
           if (cb > sb) {
-            emid[cb] = exp2f(mid);
+            emid[cb] = fast_exp2(mid);
             mid += t;
             after += t;
           } else {
@@ -267,7 +271,7 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
           }
         }
       }
-      const float eb = exp2f(before), ea = exp2f(after);
+      const float eb = fast_exp2(before), ea = fast_exp2(after);
       float gv[16], rho[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) gv[i] = sGate[(sb * 16 + i) * L::LDG + dl];
@@ -280,7 +284,7 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
         const int r = sb * 16 + i;
         lam += gv[i];
         const float qv = qn(r, d), kv = kn(r, d);
-        const float eh = exp2f(lam), er = exp2f(rho[i]);
+        const float eh = fast_exp2(lam), er = fast_exp2(rho[i]);
         sQa[r * L::LD64 + dl] = to_elem<Elem>(qv * eh);
         sKa[r * L::LD64 + dl] = to_elem<Elem>(kv * eh);
 #pragma unroll
@@ -291,18 +295,16 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
         Op::store(ws_kg + r * KP + d, kv * er * ea);
         sKbg[r * L::LDKP + d] = to_elem<Elem>(kv * eh * eb);
       }
-      if (sb == 0) ws_gam[d] = exp2f(sTot[dl] + after);
+      if (sb == 0) ws_gam[d] = fast_exp2(sTot[dl] + after);
     }
     __syncthreads();
     if (has_block && ab > 0) {
-      warp_gemm<Elem, 1, NOFF, false, false>(accP, sQa, L::LD64, 16 * ab, sKb + kb_offset(ab) * L::LD64, L::LD64, 0,
-                                             0, 4, ab);
-      warp_gemm<Elem, 1, NOFF, false, false>(accL, sKa, L::LD64, 16 * ab, sKb + kb_offset(ab) * L::LD64, L::LD64, 0,
-                                             0, 4, ab);
+      warp_gemm<Elem, 1, NOFF, false, false>(acc, role == 0 ? sQa : sKa, L::LD64, 16 * ab,
+                                             sKb + kb_offset(ab) * L::LD64, L::LD64, 0, 0, 4, ab);
     }
     __syncthreads();
     // (iii) Diagonal blocks factorised around the anchor row m: q e^s, k e^s, k e^-s with s = G_i - G_m.
-    for (int pr = tid; pr < 64 * NSUB; pr += 128) {
+    for (int pr = tid; pr < 64 * NSUB; pr += NTH) {
       const int dl = pr & 63, sb = pr >> 6, d = d0 + dl;
       if (__int_as_float(maxs[sb]) > kMaxAnchorLog2) continue;
       const int valid = max(0, min(16, nrows - sb * 16));
@@ -324,7 +326,7 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
       for (int i = 0; i < 16; ++i) {
         const int r = sb * 16 + i;
         const float qv = qn(r, d), kv = kn(r, d);
-        const float e = exp2f(sg[i]), ei = exp2f(-sg[i]);
+        const float e = fast_exp2(sg[i]), ei = fast_exp2(-sg[i]);
         sQa[r * L::LD64 + dl] = to_elem<Elem>(qv * e);
         sKa[r * L::LD64 + dl] = to_elem<Elem>(kv * e);
         sKb[r * L::LD64 + dl] = to_elem<Elem>(kv * ei);
@@ -333,12 +335,11 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
     __syncthreads();
     if (has_block) {
       if (__int_as_float(maxs[ab]) <= kMaxAnchorLog2) {
-        warp_gemm<Elem, 1, 2, false, false>(dP, sQa, L::LD64, 16 * ab, sKb + 16 * ab * L::LD64, L::LD64, 0, 0, 4);
-        warp_gemm<Elem, 1, 2, false, false>(dL, sKa, L::LD64, 16 * ab, sKb + 16 * ab * L::LD64, L::LD64, 0, 0, 4);
+        warp_gemm<Elem, 1, 2, false, false>(dacc, role == 0 ? sQa : sKa, L::LD64, 16 * ab, sKb + 16 * ab * L::LD64,
+                                            L::LD64, 0, 0, 4);
       } else {
         // Exact path: decay(i, j) = prod_{s=j+1..i} exp2(g_s) per dimension; lanes hold two dimensions each.
-        float* exP = sEx + warp * 2 * 16 * 17;
-        float* exL = exP + 16 * 17;
+        float* ex = sEx + warp * 16 * 17;
         float kk[2][16], al[2][16];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
@@ -347,39 +348,29 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
           for (int j = 0; j < 16; ++j) {
             const int r = 16 * ab + j;
             kk[u][j] = kn(r, d0 + dl);
-            al[u][j] = exp2f(sGate[r * L::LDG + dl]);
+            al[u][j] = fast_exp2(sGate[r * L::LDG + dl]);
           }
         }
         for (int i = 0; i < 16; ++i) {
           const int r = 16 * ab + i;
-          float qi[2], ki[2], dec[2] = {1.f, 1.f};
+          float xi[2], dec[2] = {1.f, 1.f};  // q_i (role 0) or k_i (role 1)
 #pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            qi[u] = qn(r, d0 + lane + 32 * u);
-            ki[u] = kk[u][i];
-          }
+          for (int u = 0; u < 2; ++u) xi[u] = role == 0 ? qn(r, d0 + lane + 32 * u) : kk[u][i];
           for (int j = i; j >= 0; --j) {
-            float pp = 0.f, ll = 0.f;
+            float pp = 0.f;
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
               if (j < i) dec[u] *= al[u][j + 1];
-              pp += qi[u] * kk[u][j] * dec[u];
-              ll += ki[u] * kk[u][j] * dec[u];
+              pp += xi[u] * kk[u][j] * dec[u];
             }
             pp = warp_sum(pp);
-            ll = warp_sum(ll);
-            if (lane == 0) {
-              exP[i * 17 + j] = pp;
-              exL[i * 17 + j] = j < i ? ll : 0.f;
-            }
+            if (lane == 0) ex[i * 17 + j] = pp;
           }
         }
         __syncwarp();
         for_each_acc<1, 2>([&](int, int nt, int e, int row, int col) {
-          const float pv = col <= row ? exP[row * 17 + col] : 0.f;
-          const float lv = col < row ? exL[row * 17 + col] : 0.f;
-          dP[0][nt].x[e] += pv;
-          dL[0][nt].x[e] += lv;
+          const bool in = role == 0 ? col <= row : col < row;
+          dacc[0][nt].x[e] += in ? ex[row * 17 + col] : 0.f;
         });
         __syncwarp();
       }
@@ -389,29 +380,34 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
 
   // Epilogue of the intra-chunk matrices: Aqk = scale * tril(P) to the workspace, L (strictly lower,
   // rows scaled by beta) to shared memory (the slice scratch is free now).
-  for (int e = tid; e < C * L::LDL; e += 128) sLT[e] = 0.f;
+  for (int e = tid; e < C * L::LDL; e += NTH) sLT[e] = 0.f;
   __syncthreads();
   if (has_block) {
     const int r0 = 16 * ab;
-    for_each_acc<1, NOFF>([&](int, int nt, int e, int row, int col) {
-      if (2 * ab > nt) {
-        ws_a[(r0 + row) * C + col] = to_elem<Elem>(a.scale * accP[0][nt].x[e]);
-        sLT[(r0 + row) * L::LDL + col] = sBeta[r0 + row] * accL[0][nt].x[e];
+    if (role == 0) {
+      for_each_acc<1, NOFF>([&](int, int nt, int e, int row, int col) {
+        if (2 * ab > nt) ws_a[(r0 + row) * C + col] = to_elem<Elem>(a.scale * acc[0][nt].x[e]);
+      });
+      for_each_acc<1, 2>([&](int, int nt, int e, int row, int col) {
+        ws_a[(r0 + row) * C + r0 + col] = to_elem<Elem>(col <= row ? a.scale * dacc[0][nt].x[e] : 0.f);
+      });
+      const int upper = C - 16 * (ab + 1);
+      for (int e = lane; e < 16 * upper; e += 32) {
+        ws_a[(r0 + e / upper) * C + 16 * (ab + 1) + e % upper] = to_elem<Elem>(0.f);
       }
-    });
-    for_each_acc<1, 2>([&](int, int nt, int e, int row, int col) {
-      ws_a[(r0 + row) * C + r0 + col] = to_elem<Elem>(col <= row ? a.scale * dP[0][nt].x[e] : 0.f);
-      sLT[(r0 + row) * L::LDL + r0 + col] = col < row ? sBeta[r0 + row] * dL[0][nt].x[e] : 0.f;
-    });
-    const int upper = C - 16 * (ab + 1);
-    for (int e = lane; e < 16 * upper; e += 32) {
-      ws_a[(r0 + e / upper) * C + 16 * (ab + 1) + e % upper] = to_elem<Elem>(0.f);
+    } else {
+      for_each_acc<1, NOFF>([&](int, int nt, int e, int row, int col) {
+        if (2 * ab > nt) sLT[(r0 + row) * L::LDL + col] = sBeta[r0 + row] * acc[0][nt].x[e];
+      });
+      for_each_acc<1, 2>([&](int, int nt, int e, int row, int col) {
+        sLT[(r0 + row) * L::LDL + r0 + col] = col < row ? sBeta[r0 + row] * dacc[0][nt].x[e] : 0.f;
+      });
     }
   }
   __syncthreads();
 
   // Tm = (I + L)^-1. Diagonal 16x16 blocks by forward substitution (lane j solves column j), in place.
-  if (has_block) {
+  if (has_block && role == 0) {
     float x[16];
     if (lane < 16) {
 #pragma unroll
@@ -433,14 +429,14 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
   __syncthreads();
   // Row blocks ra = 1.. : T[ra][bb] = -D[ra] * sum_{m=bb}^{ra-1} L[ra][m] T[m][bb].
   for (int ra = 1; ra < NSUB; ++ra) {
-    for (int e = tid; e < ra * 256; e += 128) {
+    for (int e = tid; e < ra * 256; e += NTH) {
       const int bb = e >> 8, i = (e >> 4) & 15, cc = e & 15;
       float s = 0.f;
       for (int mm = 16 * bb; mm < 16 * ra; ++mm) s += sLT[(16 * ra + i) * L::LDL + mm] * sLT[mm * L::LDL + 16 * bb + cc];
       sX[(bb * 16 + i) * 17 + cc] = s;
     }
     __syncthreads();
-    for (int e = tid; e < ra * 256; e += 128) {
+    for (int e = tid; e < ra * 256; e += NTH) {
       const int bb = e >> 8, i = (e >> 4) & 15, cc = e & 15;
       float s = 0.f;
 #pragma unroll
@@ -450,49 +446,41 @@ __global__ void __launch_bounds__(128) prepare_kernel(const ForwardArgs a) {
     __syncthreads();
   }
   // Tm * diag(beta) as the A operand of w and u.
-  for (int e = tid; e < C * C; e += 128) {
+  for (int e = tid; e < C * C; e += NTH) {
     const int i = e / C, j = e % C;
     sTb[i * L::LDC + j] = to_elem<Elem>(j <= i ? sLT[i * L::LDL + j] * sBeta[j] : 0.f);
   }
   __syncthreads();
-  // w = Tm diag(beta) (k exp2(G)), 64 columns at a time.
-  if (has_block) {
-    for (int ks = 0; ks < NKS; ++ks) {
-      FragC acc[1][8];
+  // w = Tm diag(beta) (k exp2(G)) by role-0 warps and u = Tm diag(beta) v by role-1 warps, 64 columns a step.
+  const int VS = a.VP / 64;
+  for (int it = 0; it < (NKS > VS ? NKS : VS); ++it) {
+    if (it < VS) {
+      constexpr int PER = C * 64 / NTH;
+      float vals[PER];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[0][i].zero();
-      warp_gemm<Elem, 1, 8, false, true>(acc, sTb, L::LDC, 16 * ab, sKbg + 64 * ks, L::LDKP, 0, 0, ab + 1);
-      for_each_acc<1, 8>([&](int, int nt, int e, int row, int col) {
-        if ((e & 1) == 0) {
-          Op::store2(ws_w + (16 * ab + row) * KP + 64 * ks + col, acc[0][nt].x[e], acc[0][nt].x[e + 1]);
-        }
-      });
-    }
-  }
-  // u = Tm diag(beta) v, 64 value columns at a time (each thread loads its elements before storing any).
-  for (int vs = 0; vs < a.VP / 64; ++vs) {
-    constexpr int PER = C * 64 / 128;
-    float vals[PER];
+      for (int j = 0; j < PER; ++j) {  // every load issued before any store
+        const int e = tid + NTH * j, r = e >> 6, vv = 64 * it + (e & 63);
+        vals[j] = (r < nrows && vv < a.V) ? to_float(vp[a.v.offset(b, row0 + r, hv) + vv]) : 0.f;
+      }
 #pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int e = tid + 128 * j, r = e >> 6, vv = 64 * vs + (e & 63);
-      vals[j] = (r < nrows && vv < a.V) ? to_float(vp[a.v.offset(b, row0 + r, hv) + vv]) : 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int e = tid + 128 * j;
-      sV[(e >> 6) * L::LD64 + (e & 63)] = to_elem<Elem>(vals[j]);
+      for (int j = 0; j < PER; ++j) {
+        const int e = tid + NTH * j;
+        sV[(e >> 6) * L::LD64 + (e & 63)] = to_elem<Elem>(vals[j]);
+      }
     }
     __syncthreads();
-    if (has_block) {
-      FragC acc[1][8];
+    const bool w_step = role == 0 && it < NKS, u_step = role == 1 && it < VS;
+    if (has_block && (w_step || u_step)) {
+      FragC out[1][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[0][i].zero();
-      warp_gemm<Elem, 1, 8, false, true>(acc, sTb, L::LDC, 16 * ab, sV, L::LD64, 0, 0, ab + 1);
+      for (int i = 0; i < 8; ++i) out[0][i].zero();
+      const Elem* bsrc = w_step ? sKbg + 64 * it : sV;
+      const int ldb = w_step ? L::LDKP : L::LD64;
+      warp_gemm<Elem, 1, 8, false, true>(out, sTb, L::LDC, 16 * ab, bsrc, ldb, 0, 0, ab + 1);
+      Elem* dst = w_step ? ws_w + (16 * ab) * KP + 64 * it : ws_u + (16 * ab) * a.VP + 64 * it;
+      const int ldd = w_step ? KP : a.VP;
       for_each_acc<1, 8>([&](int, int nt, int e, int row, int col) {
-        if ((e & 1) == 0) {
-          Op::store2(ws_u + (16 * ab + row) * a.VP + 64 * vs + col, acc[0][nt].x[e], acc[0][nt].x[e + 1]);
-        }
+        if ((e & 1) == 0) Op::store2(dst + row * ldd + col, out[0][nt].x[e], out[0][nt].x[e + 1]);
       });
     }
     __syncthreads();
@@ -516,11 +504,17 @@ struct RecurrenceLayout {
   static constexpr size_t bytes() { return STAGES * stage_stride() + sizeof(Elem) * (KP * LDB + 64 * LDB) + 64; }
 };
 
+// 8 warps: warp = (row group w4 in 0..3) + 4 * (column half). Each warp owns 16 chunk rows of v_new and o and
+// KP/4 state rows, for its half of the CTA's BV value columns.
+constexpr int kRecurrenceThreads = 256;
+
 template <typename Elem, int KP, int BV>
-__global__ void __launch_bounds__(128) recurrence_kernel(const ForwardArgs a) {
+__global__ void __launch_bounds__(kRecurrenceThreads) recurrence_kernel(const ForwardArgs a) {
   using L = RecurrenceLayout<Elem, KP, BV>;
   using Op = Operand<Elem>;
-  constexpr int MT = KP / 64, NTV = BV / 8, ROWS = KP / 4;
+  constexpr int NT = kRecurrenceThreads;
+  constexpr int HB = BV / 2;  // columns per warp
+  constexpr int MT = KP / 64, NTV = HB / 8, ROWS = KP / 4;
   constexpr int EPC = 16 / sizeof(Elem);  // elements per 16-byte copy
   const int C = a.chunk;
   const int VT = (a.V + BV - 1) / BV;
@@ -529,12 +523,12 @@ __global__ void __launch_bounds__(128) recurrence_kernel(const ForwardArgs a) {
   idx /= VT;
   const int hv = static_cast<int>(idx % a.HV);
   const int n = static_cast<int>(idx / a.HV);
-  const int v0 = vt * BV;
   int64_t b, t0, len;
   a.sequence(n, b, t0, len);
   const int64_t nch = (len + C - 1) / C;
   const int64_t base = a.chunk_offsets[n];
-  const int tid = threadIdx.x, warp = tid >> 5;
+  const int tid = threadIdx.x, warp = tid >> 5, w4 = warp & 3, cb = (warp >> 2) * HB;
+  const int v0 = vt * BV + cb;  // this warp's first value column
 
   extern __shared__ __align__(16) char smem_raw[];
   struct Stage {
@@ -564,7 +558,7 @@ __global__ void __launch_bounds__(128) recurrence_kernel(const ForwardArgs a) {
 
   FragC S[MT][NTV];
   for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
-    const int d = warp * ROWS + row, v = v0 + col;
+    const int d = w4 * ROWS + row, v = v0 + col;
     float x = 0.f;
     if (read && d < a.K && v < a.V) x = a.initial.ptr.load(a.initial.offset(slot, hv, d, v, a.K, a.V, a.vk));
     S[mt][nt].x[e] = x;
@@ -575,9 +569,9 @@ __global__ void __launch_bounds__(128) recurrence_kernel(const ForwardArgs a) {
   };
   auto copy_tile = [&](Elem* dst, const Elem* src) {  // [C][KP] from the workspace
     constexpr int KC = KP / EPC;
-    for (int e = tid; e < C * KC; e += 128) {
-      const int r = e / KC, cc = (e % KC) * EPC;
-      cp_async16(dst + r * L::LDK + cc, src + r * KP + cc);
+    for (int e = tid; e < C * KC; e += NT) {
+      const int r = e / KC, c = (e % KC) * EPC;
+      cp_async16(dst + r * L::LDK + c, src + r * KP + c);
     }
   };
   // Loads chunk ci into stage st (in ONE_TILE mode only w of the three [C][KP] tiles).
@@ -589,20 +583,20 @@ __global__ void __launch_bounds__(128) recurrence_kernel(const ForwardArgs a) {
       copy_tile(t.q, tile_of(a.ws_qg, ci));
       copy_tile(t.k, tile_of(a.ws_kg, ci));
     }
-    const Elem* gu = static_cast<const Elem*>(a.ws_u) + tile * C * a.VP + v0;
+    const Elem* gu = static_cast<const Elem*>(a.ws_u) + tile * C * a.VP + vt * BV;
     constexpr int BC = BV / EPC;
-    for (int e = tid; e < C * BC; e += 128) {
-      const int r = e / BC, cc = (e % BC) * EPC;
-      cp_async16(t.u + r * L::LDB + cc, gu + r * a.VP + cc);
+    for (int e = tid; e < C * BC; e += NT) {
+      const int r = e / BC, c = (e % BC) * EPC;
+      cp_async16(t.u + r * L::LDB + c, gu + r * a.VP + c);
     }
     const Elem* ga = static_cast<const Elem*>(a.ws_a) + tile * C * C;
     const int AC = C / EPC;
-    for (int e = tid; e < C * AC; e += 128) {
-      const int r = e / AC, cc = (e % AC) * EPC;
-      cp_async16(t.a + r * L::LDA + cc, ga + r * C + cc);
+    for (int e = tid; e < C * AC; e += NT) {
+      const int r = e / AC, c = (e % AC) * EPC;
+      cp_async16(t.a + r * L::LDA + c, ga + r * C + c);
     }
     const float* gg = a.ws_gam + tile * KP;
-    for (int e = tid; e < KP / 4; e += 128) cp_async16(t.gam + 4 * e, gg + 4 * e);
+    for (int e = tid; e < KP / 4; e += NT) cp_async16(t.gam + 4 * e, gg + 4 * e);
     cp_async_commit();
   };
   auto reload = [&](Elem* dst, void* ws, int64_t ci) {  // ONE_TILE: swap the next tile in
@@ -626,51 +620,51 @@ __global__ void __launch_bounds__(128) recurrence_kernel(const ForwardArgs a) {
     const bool inter = a.inter.present();
     const int64_t inter_base = a.cu_seqlens.present() ? (base + ci) * a.inter_sc : b * a.inter_sb + ci * a.inter_sc;
     for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
-      const int d = warp * ROWS + row, v = v0 + col;
+      const int d = w4 * ROWS + row, v = v0 + col;
       if (inter && d < a.K && v < a.V) {
         a.inter.store(inter_base + hv * a.inter_sh + (a.vk ? int64_t(v) * a.K + d : int64_t(d) * a.V + v),
                       S[mt][nt].x[e]);
       }
-      if ((e & 1) == 0) Op::store2(sS + d * L::LDB + col, S[mt][nt].x[e], S[mt][nt].x[e + 1]);
+      if ((e & 1) == 0) Op::store2(sS + d * L::LDB + cb + col, S[mt][nt].x[e], S[mt][nt].x[e + 1]);
     });
-    for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int) { S[mt][nt].x[e] *= t.gam[warp * ROWS + row]; });
+    for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int) { S[mt][nt].x[e] *= t.gam[w4 * ROWS + row]; });
     __syncthreads();
 
-    // v_new = u - w S and o = qg S for this warp's 16 rows.
+    // v_new = u - w S and o = qg S for this warp's 16 rows and columns.
     FragC vn[1][NTV], o[1][NTV];
 #pragma unroll
     for (int i = 0; i < NTV; ++i) { vn[0][i].zero(); o[0][i].zero(); }
-    const bool rows_here = 16 * warp < C;
+    const bool rows_here = 16 * w4 < C;
     if (rows_here) {
-      warp_gemm<Elem, 1, NTV, false, true>(vn, t.w, L::LDK, 16 * warp, sS, L::LDB, 0, 0, KP / 16);
-      if constexpr (!L::ONE_TILE) warp_gemm<Elem, 1, NTV, false, true>(o, t.q, L::LDK, 16 * warp, sS, L::LDB, 0, 0, KP / 16);
+      warp_gemm<Elem, 1, NTV, false, true>(vn, t.w, L::LDK, 16 * w4, sS + cb, L::LDB, 0, 0, KP / 16);
+      if constexpr (!L::ONE_TILE) warp_gemm<Elem, 1, NTV, false, true>(o, t.q, L::LDK, 16 * w4, sS + cb, L::LDB, 0, 0, KP / 16);
       for_each_acc<1, NTV>([&](int, int nt, int e, int row, int col) {
         if ((e & 1) == 0) {
-          const int r = 16 * warp + row;
-          const float u0 = to_float(t.u[r * L::LDB + col]), u1 = to_float(t.u[r * L::LDB + col + 1]);
-          Op::store2(sVn + r * L::LDB + col, u0 - vn[0][nt].x[e], u1 - vn[0][nt].x[e + 1]);
+          const int r = 16 * w4 + row, c = cb + col;
+          const float u0 = to_float(t.u[r * L::LDB + c]), u1 = to_float(t.u[r * L::LDB + c + 1]);
+          Op::store2(sVn + r * L::LDB + c, u0 - vn[0][nt].x[e], u1 - vn[0][nt].x[e + 1]);
         }
       });
     }
     if constexpr (L::ONE_TILE) {
       reload(t.w, a.ws_qg, ci);
-      if (rows_here) warp_gemm<Elem, 1, NTV, false, true>(o, t.w, L::LDK, 16 * warp, sS, L::LDB, 0, 0, KP / 16);
+      if (rows_here) warp_gemm<Elem, 1, NTV, false, true>(o, t.w, L::LDK, 16 * w4, sS + cb, L::LDB, 0, 0, KP / 16);
     } else {
       __syncthreads();
     }
     if (rows_here) {
-      warp_gemm<Elem, 1, NTV, false, true>(o, t.a, L::LDA, 16 * warp, sVn, L::LDB, 0, 0, warp + 1);
+      warp_gemm<Elem, 1, NTV, false, true>(o, t.a, L::LDA, 16 * w4, sVn + cb, L::LDB, 0, 0, w4 + 1);
       for_each_acc<1, NTV>([&](int, int nt, int e, int row, int col) {
-        const int r = 16 * warp + row, v = v0 + col;
+        const int r = 16 * w4 + row, v = v0 + col;
         if (r < nrows && v < a.V) {
           const int64_t tok = t0 + ci * C + r;
           a.out.store(b * a.out_sb + tok * a.out_st + hv * a.out_sh + v, o[0][nt].x[e]);
         }
       });
     }
-    // S += kg^T v_new for this warp's state rows.
+    // S += kg^T v_new for this warp's state rows and columns.
     if constexpr (L::ONE_TILE) reload(t.w, a.ws_kg, ci);
-    warp_gemm<Elem, MT, NTV, true, true>(S, t.k, L::LDK, warp * ROWS, sVn, L::LDB, 0, 0, C / 16);
+    warp_gemm<Elem, MT, NTV, true, true>(S, t.k, L::LDK, w4 * ROWS, sVn + cb, L::LDB, 0, 0, C / 16);
     if (L::STAGES == 1 && ci + 1 < nch) {
       __syncthreads();
       issue(ci + 1, 0);
@@ -678,7 +672,7 @@ __global__ void __launch_bounds__(128) recurrence_kernel(const ForwardArgs a) {
   }
   if (write) {
     for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
-      const int d = warp * ROWS + row, v = v0 + col;
+      const int d = w4 * ROWS + row, v = v0 + col;
       if (d < a.K && v < a.V) {
         a.final_state.ptr.store(a.final_state.offset(slot, hv, d, v, a.K, a.V, a.vk), S[mt][nt].x[e]);
       }

@@ -30,7 +30,7 @@ void launch_prepare(const ForwardArgs& a, cudaStream_t stream) {
   auto kernel = prepare_kernel<InT, Elem, C, KP>;
   set_smem(kernel, L::bytes());
   const dim3 grid(static_cast<unsigned>(a.num_slots), static_cast<unsigned>(a.HV));
-  kernel<<<grid, 128, L::bytes(), stream>>>(a);
+  kernel<<<grid, kPrepareThreads, L::bytes(), stream>>>(a);
   check_launch("prepare_kernel");
 }
 
@@ -40,7 +40,7 @@ void launch_recurrence(const ForwardArgs& a, cudaStream_t stream) {
   auto kernel = recurrence_kernel<Elem, KP, BV>;
   set_smem(kernel, L::bytes());
   const int64_t ctas = int64_t(a.N) * a.HV * ((a.V + BV - 1) / BV);
-  kernel<<<static_cast<unsigned>(ctas), 128, L::bytes(), stream>>>(a);
+  kernel<<<static_cast<unsigned>(ctas), kRecurrenceThreads, L::bytes(), stream>>>(a);
   check_launch("recurrence_kernel");
 }
 
