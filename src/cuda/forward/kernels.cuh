@@ -72,8 +72,11 @@ struct PrepareLayout {
   static constexpr size_t slice_bytes() { return r16(4 * C * LDG) + r16(4 * 4 * 2 * 16 * 17); }
   static constexpr size_t inverse_bytes() { return r16(4 * C * LDL) + r16(4 * (NSUB > 1 ? NSUB - 1 : 1) * 16 * 17); }
   static constexpr size_t union_bytes() { return slice_bytes() > inverse_bytes() ? slice_bytes() : inverse_bytes(); }
+  // q and k rows are staged in shared memory unless they would not fit (float32 inputs with K > 128 read them from
+  // global memory instead).
+  static constexpr bool STAGE_QK = !(sizeof(InT) == 4 && KP > 128);
   static constexpr size_t bytes() {
-    return 2 * r16(sizeof(InT) * C * KP) + r16(sizeof(Elem) * TILE_ELEMS) + r16(sizeof(Elem) * C * LDKP) +
+    return (STAGE_QK ? 2 * r16(sizeof(InT) * C * KP) : 0) + r16(sizeof(Elem) * TILE_ELEMS) + r16(sizeof(Elem) * C * LDKP) +
            union_bytes() + r16(4 * NSUB * 64) + 3 * r16(4 * C) + r16(4 * 2 * NSUB);
   }
 };
@@ -141,8 +144,8 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
 
   extern __shared__ __align__(16) char smem_raw[];
   SmemCursor cur{smem_raw};
-  InT* sQraw = cur.take<InT>(C * KP);  // [C][KP] raw q rows of this chunk (zero past the sequence and past K)
-  InT* sKraw = cur.take<InT>(C * KP);
+  InT* sQraw = L::STAGE_QK ? cur.take<InT>(C * KP) : nullptr;  // [C][KP] raw q rows (zero past the rows and K)
+  InT* sKraw = L::STAGE_QK ? cur.take<InT>(C * KP) : nullptr;
   Elem* tiles = cur.take<Elem>(L::TILE_ELEMS);
   Elem* sQa = tiles;                      // [C][LD64]  A operand: q (off-diagonal), then q*e^sigma (diagonal)
   Elem* sKa = tiles + C * L::LD64;        // [C][LD64]  A operand: k, likewise
@@ -163,9 +166,11 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
   int* sMax = cur.take<int>(2 * NSUB);
 
   // Stage 0: raw q, k rows into shared memory in one burst; beta; reciprocal norms.
-  stage_rows<InT, C>(sQraw, KP, qp, a.q, b, row0, h, nrows, a.K, a.vec_qk);
-  stage_rows<InT, C>(sKraw, KP, kp, a.k, b, row0, h, nrows, a.K, a.vec_qk);
-  cp_async_commit();
+  if constexpr (L::STAGE_QK) {
+    stage_rows<InT, C>(sQraw, KP, qp, a.q, b, row0, h, nrows, a.K, a.vec_qk);
+    stage_rows<InT, C>(sKraw, KP, kp, a.k, b, row0, h, nrows, a.K, a.vec_qk);
+    cp_async_commit();
+  }
   for (int r = tid; r < C; r += NTH) {
     float bt = 0.f;
     if (r < nrows) {
@@ -177,13 +182,21 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
   if (tid < 2 * NSUB) sMax[tid] = 0;
   cp_async_wait<0>();
   __syncthreads();
+  // Raw q/k element (r, d): from shared memory, or from global memory when not staged (zero outside).
+  auto raw = [&](bool is_k, int r, int d) -> float {
+    if constexpr (L::STAGE_QK) {
+      return to_float((is_k ? sKraw : sQraw)[r * KP + d]);
+    } else {
+      if (r >= nrows || d >= a.K) return 0.f;
+      return is_k ? to_float(kp[a.k.offset(b, row0 + r, h) + d]) : to_float(qp[a.q.offset(b, row0 + r, h) + d]);
+    }
+  };
   for (int task = warp; task < 2 * C; task += NTH / 32) {
     const int r = task >> 1;
-    const InT* row = (task & 1 ? sKraw : sQraw) + r * KP;
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < KP / 32; ++i) {
-      const float x = to_float(row[lane + 32 * i]);
+      const float x = raw(task & 1, r, lane + 32 * i);
       ss += x * x;
     }
     ss = warp_sum(ss);
@@ -203,8 +216,8 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
   dacc[0][1].zero();
   const int ab = warp & 3, role = warp >> 2;
   const bool has_block = ab < NSUB;
-  auto qn = [&](int r, int d) { return to_float(sQraw[r * KP + d]) * sRq[r]; };
-  auto kn = [&](int r, int d) { return to_float(sKraw[r * KP + d]) * sRk[r]; };
+  auto qn = [&](int r, int d) { return raw(false, r, d) * sRq[r]; };
+  auto kn = [&](int r, int d) { return raw(true, r, d) * sRk[r]; };
 
   for (int ks = 0; ks < NKS; ++ks) {
     const int d0 = ks * 64;

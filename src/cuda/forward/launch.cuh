@@ -20,7 +20,11 @@ template <typename Kernel>
 inline void set_smem(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-    if (err != cudaSuccess) throw CudaError(std::string("kdakit: shared memory request failed: ") + cudaGetErrorString(err));
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // do not leave the error for the next launch check
+      throw CudaError(std::string("kdakit: shared memory request of ") + std::to_string(bytes) +
+                      " bytes failed: " + cudaGetErrorString(err));
+    }
   }
 }
 
