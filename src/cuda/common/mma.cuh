@@ -226,18 +226,18 @@ __device__ __forceinline__ void warp_gemm(FragC (&acc)[MT][NT], const Elem* sa, 
       else Op::load_b1_nk(b, sb, ldb, k, n0);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) Op::mma(acc[mt][0], a[mt], b);
-      continue;
-    }
+    } else {
 #pragma unroll
-    for (int np = 0; np < NT / 2; ++np) {
-      if (np >= np_count) break;
-      FragB b[2][Op::kSplit];
-      if constexpr (B_KN) Op::load_b_kn(b, sb, ldb, k, n0 + 16 * np);
-      else Op::load_b_nk(b, sb, ldb, k, n0 + 16 * np);
+      for (int np = 0; np < NT / 2; ++np) {
+        if (np >= np_count) break;
+        FragB b[2][Op::kSplit];
+        if constexpr (B_KN) Op::load_b_kn(b, sb, ldb, k, n0 + 16 * np);
+        else Op::load_b_nk(b, sb, ldb, k, n0 + 16 * np);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        Op::mma(acc[mt][2 * np], a[mt], b[0]);
-        Op::mma(acc[mt][2 * np + 1], a[mt], b[1]);
+        for (int mt = 0; mt < MT; ++mt) {
+          Op::mma(acc[mt][2 * np], a[mt], b[0]);
+          Op::mma(acc[mt][2 * np + 1], a[mt], b[1]);
+        }
       }
     }
   }
