@@ -31,6 +31,7 @@ struct ForwardArgs {
   float scale = 1.f;
   bool l2norm = false, beta_sigmoid = false, neg_eigval = false;
   bool vec_qk = false;  // q and k rows may be copied in 16-byte pieces (aligned base, strides and K)
+  bool vec_v = false;   // likewise v rows (aligned base, strides and V)
   int B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, group = 1, N = 0;
   DynPtr cu_seqlens;  // absent: fixed length
   int chunk = 64;

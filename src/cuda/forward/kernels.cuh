@@ -38,6 +38,25 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// The gate of SPEC §3 in log2 units, with the per-head constants (exp(A_log), lower_bound log2 e) hoisted out of
+// the per-element work and the sigmoid's exponential and division on the special function unit (relative error
+// ~2^-21, far below the bf16/fp32 tolerances; the precise libm path cost ~45 instructions per element).
+struct GateLog2 {
+  int mode = 0;     // 0 pre-gated, 1 softplus, 2 lower bound
+  float a = 1.f;    // exp(A_log) (1 without A_log)
+  float coef = 0.f; // mode 1: -exp(A_log) log2 e; mode 2: lower_bound log2 e
+  __device__ __forceinline__ GateLog2(int m, float A_log, bool has_A_log, float lower_bound) : mode(m) {
+    a = has_A_log ? expf(A_log) : 1.f;
+    coef = mode == 1 ? -a * kLog2e : lower_bound * kLog2e;
+  }
+  // x = raw gate + dt_bias (mode 1, 2) or the natural-log gate itself (mode 0).
+  __device__ __forceinline__ float operator()(float x) const {
+    if (mode == 0) return x * kLog2e;
+    if (mode == 1) return coef * (x > 20.f ? x : log1pf(fast_exp2(x * kLog2e)));
+    return __fdividef(coef, 1.f + fast_exp2(-a * kLog2e * x));  // coef * sigmoid(a x); 0 when the exponent overflows
+  }
+};
+
 // Bump allocation of dynamic shared memory with 16-byte alignment.
 struct SmemCursor {
   char* p;
@@ -88,10 +107,10 @@ __host__ __device__ constexpr int kb_offset(int a) { return 8 * a * (a - 1); }
 // vec: 16-byte copies are legal (aligned base, strides and cols).
 template <typename InT, int C>
 __device__ __forceinline__ void stage_rows(InT* dst, int ld, const InT* src, const TokenTensor& t, int64_t b,
-                                           int64_t row0, int h, int nrows, int cols, bool vec) {
+                                           int64_t row0, int h, int nrows, int cols, bool vec, int width = 0) {
   constexpr int EPC = 16 / sizeof(InT);
   const int tid = threadIdx.x;
-  const int pieces = ld / EPC;
+  const int pieces = (width > 0 ? width : ld) / EPC;  // columns [0, width) of the tile (default: the whole row)
   for (int e = tid; e < C * pieces; e += blockDim.x) {
     const int r = e / pieces, c0 = (e % pieces) * EPC;
     InT* d = dst + r * ld + c0;
@@ -201,11 +220,11 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
     }
     ss = warp_sum(ss);
     if (lane == 0) {
-      const float rs = r < nrows ? (a.l2norm ? 1.0f / sqrtf(ss + static_cast<float>(math::kL2NormEps)) : 1.f) : 0.f;
+      const float rs = r < nrows ? (a.l2norm ? rsqrtf(ss + static_cast<float>(math::kL2NormEps)) : 1.f) : 0.f;
       (task & 1 ? sRk : sRq)[r] = rs;
     }
   }
-  const float A_log = a.A_log.present() ? a.A_log.load(hv) : 0.f;
+  const GateLog2 gate(a.gate_mode, a.A_log.present() ? a.A_log.load(hv) : 0.f, a.A_log.present(), a.lower_bound);
   __syncthreads();
 
   // Warp roles in the matrix stages: row block ab; role 0 computes P (-> Aqk), role 1 computes L.
@@ -227,22 +246,18 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
     for (int pr = tid; pr < 64 * NSUB; pr += NTH) {
       const int dl = pr & 63, sb = pr >> 6, d = d0 + dl;
       float gv[16];
+      const int valid_rows = d < a.K ? min(16, nrows - sb * 16) : 0;
+      const InT* grow = gp + a.g.offset(b, row0 + sb * 16, hv) + d;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {  // all loads first: one memory latency for the 16 rows
-        const int r = sb * 16 + i;
-        gv[i] = (r < nrows && d < a.K) ? to_float(gp[a.g.offset(b, row0 + r, hv) + d]) : 0.f;
+        gv[i] = i < valid_rows ? to_float(grow[i * a.g.st]) : 0.f;
       }
       const float bias = (a.gate_mode != 0 && a.dt_bias.present() && d < a.K) ? a.dt_bias.load(int64_t(hv) * a.K + d) : 0.f;
       float tot = 0.f;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         const int r = sb * 16 + i;
-        float x = 0.f;
-        if (r < nrows && d < a.K) {
-          x = gv[i];
-          if (a.gate_mode != 0) x = math::gate_value<float>(a.gate_mode, x + bias, A_log, a.A_log.present(), a.lower_bound);
-          x *= kLog2e;
-        }
+        const float x = i < valid_rows ? gate(gv[i] + bias) : 0.f;
         gv[i] = x;
         sGate[r * L::LDG + dl] = x;
         tot += x;
@@ -444,17 +459,28 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
   for (int ra = 1; ra < NSUB; ++ra) {
     for (int e = tid; e < ra * 256; e += NTH) {
       const int bb = e >> 8, i = (e >> 4) & 15, cc = e & 15;
-      float s = 0.f;
-      for (int mm = 16 * bb; mm < 16 * ra; ++mm) s += sLT[(16 * ra + i) * L::LDL + mm] * sLT[mm * L::LDL + 16 * bb + cc];
-      sX[(bb * 16 + i) * 17 + cc] = s;
+      float s0 = 0.f, s1 = 0.f;  // two chains, 16 products per block in flight
+      for (int mb = bb; mb < ra; ++mb) {
+        const float* lrow = sLT + (16 * ra + i) * L::LDL + 16 * mb;
+        const float* tcol = sLT + 16 * mb * L::LDL + 16 * bb + cc;
+#pragma unroll
+        for (int l = 0; l < 16; l += 2) {
+          s0 += lrow[l] * tcol[l * L::LDL];
+          s1 += lrow[l + 1] * tcol[(l + 1) * L::LDL];
+        }
+      }
+      sX[(bb * 16 + i) * 17 + cc] = s0 + s1;
     }
     __syncthreads();
     for (int e = tid; e < ra * 256; e += NTH) {
       const int bb = e >> 8, i = (e >> 4) & 15, cc = e & 15;
-      float s = 0.f;
+      float s0 = 0.f, s1 = 0.f;
 #pragma unroll
-      for (int l = 0; l < 16; ++l) s -= sLT[(16 * ra + i) * L::LDL + 16 * ra + l] * sX[(bb * 16 + l) * 17 + cc];
-      sLT[(16 * ra + i) * L::LDL + 16 * bb + cc] = s;
+      for (int l = 0; l < 16; l += 2) {
+        s0 -= sLT[(16 * ra + i) * L::LDL + 16 * ra + l] * sX[(bb * 16 + l) * 17 + cc];
+        s1 -= sLT[(16 * ra + i) * L::LDL + 16 * ra + l + 1] * sX[(bb * 16 + l + 1) * 17 + cc];
+      }
+      sLT[(16 * ra + i) * L::LDL + 16 * bb + cc] = s0 + s1;
     }
     __syncthreads();
   }
@@ -468,17 +494,24 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
   const int VS = a.VP / 64;
   for (int it = 0; it < (NKS > VS ? NKS : VS); ++it) {
     if (it < VS) {
-      constexpr int PER = C * 64 / NTH;
-      float vals[PER];
+      if constexpr (std::is_same<InT, Elem>::value) {  // raw copy: 16-byte cp.async where aligned and in range
+        const int cols = min(64, a.V - 64 * it);
+        stage_rows<InT, C>(sV, L::LD64, vp + 64 * it, a.v, b, row0, hv, nrows, cols, a.vec_v, 64);
+        cp_async_commit();
+        cp_async_wait<0>();
+      } else {
+        constexpr int PER = C * 64 / NTH;
+        float vals[PER];
 #pragma unroll
-      for (int j = 0; j < PER; ++j) {  // every load issued before any store
-        const int e = tid + NTH * j, r = e >> 6, vv = 64 * it + (e & 63);
-        vals[j] = (r < nrows && vv < a.V) ? to_float(vp[a.v.offset(b, row0 + r, hv) + vv]) : 0.f;
-      }
+        for (int j = 0; j < PER; ++j) {  // every load issued before any store
+          const int e = tid + NTH * j, r = e >> 6, vv = 64 * it + (e & 63);
+          vals[j] = (r < nrows && vv < a.V) ? to_float(vp[a.v.offset(b, row0 + r, hv) + vv]) : 0.f;
+        }
 #pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int e = tid + NTH * j;
-        sV[(e >> 6) * L::LD64 + (e & 63)] = to_elem<Elem>(vals[j]);
+        for (int j = 0; j < PER; ++j) {
+          const int e = tid + NTH * j;
+          sV[(e >> 6) * L::LD64 + (e & 63)] = to_elem<Elem>(vals[j]);
+        }
       }
     }
     __syncthreads();
@@ -514,7 +547,12 @@ struct RecurrenceLayout {
     return sizeof(Elem) * (TILES * 64 * LDK + 64 * LDB + 64 * LDA) + 4 * KP;
   }
   static constexpr size_t stage_stride() { return (stage_bytes() + 15) & ~size_t(15); }
-  static constexpr size_t bytes() { return STAGES * stage_stride() + sizeof(Elem) * (KP * LDB + 64 * LDB) + 64; }
+  // bf16 operands keep the chunk-start state as hi + lo tiles (two MMAs for w S and qg S): rounded once to bf16,
+  // the state's error would dominate outputs that are mostly the initial-state term (T = 1).
+  static constexpr bool SPLIT_S = sizeof(Elem) == 2;
+  static constexpr size_t bytes() {
+    return STAGES * stage_stride() + sizeof(Elem) * ((SPLIT_S ? 2 : 1) * KP * LDB + 64 * LDB) + 64;
+  }
 };
 
 // 8 warps: warp = (row group w4 in 0..3) + 4 * (column half). Each warp owns 16 chunk rows of v_new and o and
@@ -560,7 +598,8 @@ __global__ void __launch_bounds__(kRecurrenceThreads) recurrence_kernel(const Fo
     return t;
   };
   Elem* sS = reinterpret_cast<Elem*>(smem_raw + L::STAGES * L::stage_stride());  // [KP][LDB]
-  Elem* sVn = sS + KP * L::LDB;                                                  // [64][LDB]
+  Elem* sSlo = sS + KP * L::LDB;                                                 // [KP][LDB] (SPLIT_S)
+  Elem* sVn = sS + (L::SPLIT_S ? 2 : 1) * KP * L::LDB;                           // [64][LDB]
 
   // Slots: read initial_state[slot] and write final_state[slot]; -1 neither.
   int64_t slot = n;
@@ -638,7 +677,17 @@ __global__ void __launch_bounds__(kRecurrenceThreads) recurrence_kernel(const Fo
         a.inter.store(inter_base + hv * a.inter_sh + (a.vk ? int64_t(v) * a.K + d : int64_t(d) * a.V + v),
                       S[mt][nt].x[e]);
       }
-      if ((e & 1) == 0) Op::store2(sS + d * L::LDB + cb + col, S[mt][nt].x[e], S[mt][nt].x[e + 1]);
+      if ((e & 1) == 0) {
+        const float x0 = S[mt][nt].x[e], x1 = S[mt][nt].x[e + 1];
+        if constexpr (L::SPLIT_S) {
+          uint32_t hi, lo;
+          split_pack(x0, x1, hi, lo);
+          *reinterpret_cast<uint32_t*>(sS + d * L::LDB + cb + col) = hi;
+          *reinterpret_cast<uint32_t*>(sSlo + d * L::LDB + cb + col) = lo;
+        } else {
+          Op::store2(sS + d * L::LDB + cb + col, x0, x1);
+        }
+      }
     });
     for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int) { S[mt][nt].x[e] *= t.gam[w4 * ROWS + row]; });
     __syncthreads();
@@ -649,6 +698,10 @@ __global__ void __launch_bounds__(kRecurrenceThreads) recurrence_kernel(const Fo
     for (int i = 0; i < NTV; ++i) { vn[0][i].zero(); o[0][i].zero(); }
     const bool rows_here = 16 * w4 < C;
     if (rows_here) {
+      if constexpr (L::SPLIT_S) {  // small terms first
+        warp_gemm<Elem, 1, NTV, false, true>(vn, t.w, L::LDK, 16 * w4, sSlo + cb, L::LDB, 0, 0, KP / 16);
+        if constexpr (!L::ONE_TILE) warp_gemm<Elem, 1, NTV, false, true>(o, t.q, L::LDK, 16 * w4, sSlo + cb, L::LDB, 0, 0, KP / 16);
+      }
       warp_gemm<Elem, 1, NTV, false, true>(vn, t.w, L::LDK, 16 * w4, sS + cb, L::LDB, 0, 0, KP / 16);
       if constexpr (!L::ONE_TILE) warp_gemm<Elem, 1, NTV, false, true>(o, t.q, L::LDK, 16 * w4, sS + cb, L::LDB, 0, 0, KP / 16);
       for_each_acc<1, NTV>([&](int, int nt, int e, int row, int col) {
