@@ -5,7 +5,14 @@
 Forward rows: bf16 inputs, gate (lower_bound -5), L2 norm and beta sigmoid in kernel, float32 initial state in
 and final state out, K = V = 128. Times are medians of CUDA-event timings with the L2 cache flushed before
 every run. The floor is the bytes that must move over the copy bandwidth measured in this process.
-Writes DIR/<device>.md, DIR/<device>.png and DIR/bench_table.txt.
+
+Decode rows (names start with "decode"; `--only decode` runs just them): `fused_recurrent_kda_fwd` in place on a
+v-first state pool ([slots,HV,V,K], float32 or bfloat16) through random slot ids, bf16 inputs, gate (lower_bound
+-5), L2 norm and beta sigmoid in kernel, K = V = 128, caller-provided `out`. T = 1: one token per sequence, a pool
+of N slots, [N] indices (state read once, written once). T = 4: the speculative-decoding commit of the engines,
+[N,4] indices into a pool of 4N slots with random num_accepted_tokens (state read once, written after every token).
+The bandwidth column is those state bytes over the time, as a share of the measured copy bandwidth.
+Writes DIR/<device>.md, DIR/<device>.png (DIR/<device>-decode.png) and DIR/bench_table.txt.
 """
 from __future__ import annotations
 
@@ -126,6 +133,112 @@ def flashkda_runner():
     return run
 
 
+# ---- decode -------------------------------------------------------------------------------------------------
+
+DECODE_NS = [1, 8, 32, 256, 1024]
+DECODE_HEADS = [(16, 16), (32, 32), (8, 32)]  # (H, HV)
+DECODE_TS = [1, 4]
+DECODE_POOLS = [("fp32", torch.float32), ("bf16", torch.bfloat16)]
+
+
+def decode_shapes():
+    for pool_name, pool_dtype in DECODE_POOLS:
+        for T in DECODE_TS:
+            for H, HV in DECODE_HEADS:
+                for N in DECODE_NS:
+                    heads = f"H{H}" if H == HV else f"H{H}-HV{HV}"
+                    yield f"decode T{T} N{N} {heads} {pool_name}", N, T, H, HV, pool_dtype
+
+
+def decode_inputs(N, T, H, HV, pool_dtype):
+    dev, bf = "cuda", torch.bfloat16
+    x = dict(
+        q=torch.randn(N, T, H, D, device=dev, dtype=bf), k=torch.randn(N, T, H, D, device=dev, dtype=bf),
+        v=torch.randn(N, T, HV, D, device=dev, dtype=bf), g=torch.randn(N, T, HV, D, device=dev, dtype=bf),
+        beta=torch.randn(N, T, HV, device=dev, dtype=bf),
+        A_log=torch.log(torch.empty(HV, device=dev).uniform_(1, 16)), dt_bias=torch.randn(HV * D, device=dev))
+    slots = N * T
+    x["pool"] = torch.randn(slots, HV, D, D, device=dev).to(pool_dtype)  # v-first [slots,HV,V,K]; V = K here
+    perm = torch.randperm(slots, device=dev).to(torch.int32)
+    x["idx"] = perm if T == 1 else perm.reshape(N, T)
+    x["acc"] = None if T == 1 else torch.randint(1, T + 1, (N,), device=dev, dtype=torch.int32)
+    x["out"] = torch.empty(N, T, HV, D, device=dev, dtype=bf)
+    state_bytes = N * HV * D * D * x["pool"].element_size() * (1 + T)  # read once; written once per token
+    return x, state_bytes
+
+
+def decode_kwargs(x):
+    return dict(inplace_final_state=True, state_v_first=True, ssm_state_indices=x["idx"],
+                num_accepted_tokens=x["acc"], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, out=x["out"])
+
+
+def run_kdakit_decode(x):
+    return kdakit.fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
+                                          x["pool"], None, **decode_kwargs(x))
+
+
+def fla_decode_runner():
+    try:
+        import inspect
+
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except Exception as e:  # noqa: BLE001
+        print(f"FLA decode not importable: {e}")
+        return None
+    if "state_v_first" not in inspect.signature(fused_recurrent_kda_fwd).parameters:
+        print("FLA's fused_recurrent_kda_fwd has no state_v_first; decode rows run without FLA")
+        return None
+
+    def run(x):
+        return fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
+                                       initial_state=x["pool"], scale=None, **decode_kwargs(x))
+    return run
+
+
+def bench_decode(args, bw, flush, only):
+    fla = fla_decode_runner()
+    rows = []
+    torch.manual_seed(0)
+    for name, N, T, H, HV, pool_dtype in decode_shapes():
+        if only and not any(s in name for s in only):
+            continue
+        x, state_bytes = decode_inputs(N, T, H, HV, pool_dtype)
+        with torch.inference_mode():
+            diff = t_fla = None
+            if fla is not None:  # both from the same pool once, for the difference of the outputs
+                start = x["pool"].clone()
+                run_kdakit_decode(x)
+                ours = x["out"].clone()
+                x["pool"].copy_(start)
+                fla(x)
+                diff = rel_diff(ours, x["out"])
+                del start, ours
+                t_fla = time_ms(lambda: fla(x), args.reps, flush)
+            t_ours = time_ms(lambda: run_kdakit_decode(x), args.reps, flush)
+        share = lambda t: None if t is None else state_bytes / (t * 1e-3) / bw
+        rows.append(dict(name=name, mb=state_bytes / 1e6, ours=t_ours, fla=t_fla, bw=share(t_ours), fla_bw=share(t_fla),
+                         diff=diff))
+        print(f"{name:28s} kdakit {t_ours * 1e3:8.1f} us  FLA {t_fla * 1e3 if t_fla else float('nan'):8.1f} us  "
+              f"state {state_bytes / 1e6:9.1f} MB  {100 * share(t_ours):5.1f}% of copy bandwidth", flush=True)
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_table(rows):
+    fmt = lambda v, f: "—" if v is None else f.format(v)
+    lines = ["| shape | state MB (read + write) | kdakit µs | FLA µs | kdakit/FLA | kdakit % copy BW | FLA % copy BW | "
+             "rel. diff vs FLA |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r["ours"] / r["fla"] if r["fla"] else None
+        lines.append("| " + " | ".join([
+            r["name"], f"{r['mb']:.1f}", f"{r['ours'] * 1e3:.1f}", fmt(r["fla"] and r["fla"] * 1e3, "{:.1f}"),
+            fmt(ratio, "{:.2f}"), f"{100 * r['bw']:.0f}%", fmt(r["fla_bw"] and 100 * r["fla_bw"], "{:.0f}%"),
+            fmt(r["diff"], "{:.1e}")]) + " |")
+    return "\n".join(lines)
+
+
 def rel_diff(a, b) -> float:
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -184,6 +297,7 @@ def main(argv=None) -> int:
               f"floor {floor:6.3f} ms  diff vs FLA {diff if diff is not None else float('nan'):.1e}", flush=True)
         del x
         torch.cuda.empty_cache()
+    decode_rows = bench_decode(args, bw, flush, args.only)
 
     dev = torch.cuda.get_device_name()
     head = (f"| shape | floor ms | kdakit ms | FLA ms | kdakit/FLA | kdakit/floor |"
@@ -204,10 +318,48 @@ def main(argv=None) -> int:
     meta = (f"{dev}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs; torch {torch.__version__}; "
             f"kdakit {kdakit.__version__} ({args.commit or git_commit()}); {stamp}; measured copy bandwidth "
             f"{bw / 1e12:.2f} TB/s (read + write); median of {args.reps} runs, L2 flushed before each.")
-    md = (f"# kdakit benchmark: {dev}\n\n{meta}\n\nForward: bf16 inputs, gate (lower_bound -5), L2 norm and beta "
-          f"sigmoid in kernel, float32 initial state in and final state out, K = V = 128.\n\n{table}\n")
+    md = f"# kdakit benchmark: {dev}\n\n{meta}\n"
+    text = meta + "\n"
+    if rows:
+        md += (f"\nForward: bf16 inputs, gate (lower_bound -5), L2 norm and beta sigmoid in kernel, float32 initial state "
+               f"in and final state out, K = V = 128.\n\n{table}\n")
+        text += table + "\n"
+    if decode_rows:
+        dtable = decode_table(decode_rows)
+        md += (f"\nDecode (`fused_recurrent_kda_fwd`, in place on a v-first pool through random slot ids): bf16 inputs, "
+               f"gate (lower_bound -5), L2 norm and beta sigmoid in kernel, K = V = 128, caller `out`. T1: [N] indices, "
+               f"state read and written once. T4: [N,4] indices with num_accepted_tokens (speculative commit), state read "
+               f"once and written after every token. Bandwidth: those state bytes over the time, as a share of the "
+               f"measured copy bandwidth.\n\n{dtable}\n")
+        text += dtable + "\n"
     (out / f"{device_slug()}.md").write_text(md)
-    (out / "bench_table.txt").write_text(meta + "\n" + table + "\n")
+    (out / "bench_table.txt").write_text(text)
+    if decode_rows:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(max(10, 0.22 * len(decode_rows)), 4.5))
+            xs = range(len(decode_rows))
+            ax.bar([i - 0.2 for i in xs], [100 * r["bw"] for r in decode_rows], 0.4, label="kdakit")
+            ax.bar([i + 0.2 for i in xs], [100 * (r["fla_bw"] or 0) for r in decode_rows], 0.4, label="FLA")
+            ax.set_xticks(list(xs))
+            ax.set_xticklabels([r["name"][len("decode "):] for r in decode_rows], rotation=90, fontsize=6)
+            ax.set_ylabel("state bytes / time, % of copy bandwidth")
+            ax.set_title(f"KDA decode, {dev}")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(out / f"{device_slug()}-decode.png", dpi=110)
+        except Exception as e:  # noqa: BLE001
+            print(f"decode plot skipped: {e}")
+    if not rows:
+        print()
+        print(meta)
+        if decode_rows:
+            print(decode_table(decode_rows))
+        return 0
     try:
         import matplotlib
 
@@ -234,6 +386,8 @@ def main(argv=None) -> int:
     print()
     print(meta)
     print(table)
+    if decode_rows:
+        print(decode_table(decode_rows))
     return 0
 
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cuda/backend.h"
+#include "cuda/decode/args.h"
 #include "cuda/forward/args.h"
 #include "kdakit/error.h"
 
@@ -18,6 +19,11 @@ void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t
 extern template void launch_forward<__nv_bfloat16>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
 extern template void launch_forward<__half>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
 extern template void launch_forward<float>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
+
+template <typename PoolT>
+void launch_decode(const DecodeArgs& a, const DecodeConfig& cfg, cudaStream_t stream);
+extern template void launch_decode<float>(const DecodeArgs&, const DecodeConfig&, cudaStream_t);
+extern template void launch_decode<__nv_bfloat16>(const DecodeArgs&, const DecodeConfig&, cudaStream_t);
 
 namespace {
 
@@ -192,6 +198,7 @@ void forward(const ForwardParams& p, const detail::Plan& plan, void* stream) {
              t.strides[2] % epc == 0;
     };
     a.vec_qk = pr.K % epc == 0 && aligned(p.in.q) && aligned(p.in.k);
+    a.vec_v = pr.V % epc == 0 && aligned(p.in.v);
   }
   a.beta_sigmoid = p.in.beta_sigmoid;
   a.neg_eigval = p.in.allow_neg_eigval;
@@ -246,8 +253,153 @@ void backward(const BackwardParams&, const detail::Plan&, void*) {
   throw NotBuilt("kdakit.backward: the CUDA backward is not implemented yet; run the backward on CPU tensors");
 }
 
-void decode(const DecodeParams&, const detail::Plan&, void*) {
-  throw NotBuilt("kdakit.decode: the CUDA decode kernel is not implemented yet; run decode on CPU tensors");
+// ---- decode / speculative verify (kernel: src/cuda/decode/kernels.cuh) ------------------------------------
+
+namespace {
+
+// 16-byte copies of 8-element pieces at multiples of 8 (bf16/fp16) or of 4-element pieces (fp32) need an
+// aligned base and strides; size-1 dimensions never move the pointer.
+bool rows_vectorizable(const TensorView& t) {
+  const int64_t epc = 16 / static_cast<int64_t>(dtype_size(t.dtype));
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;
+  for (int i = 0; i + 1 < t.ndim; ++i) {
+    if (t.shape[i] > 1 && t.strides[i] % epc != 0) return false;
+  }
+  return true;
+}
+
+DecodeRows decode_rows(const TensorView& t) {
+  DecodeRows r;
+  r.p = t.data;
+  r.dtype = t.dtype;
+  r.sb = t.strides[0];
+  r.st = t.strides[1];
+  r.sh = t.strides[2];
+  r.vec = t.ndim == 4 && rows_vectorizable(t);
+  return r;
+}
+
+// `vec_elems`: elements per vector access of the kernel's mapping; `row`: the contiguous dimension (K for the
+// v-first layout, V otherwise), whose multiples every vector offset is built from.
+DecodeState decode_state(const TensorView& t, const char* name, int64_t vec_elems, int64_t row) {
+  DecodeState s;
+  if (!t.present()) return s;
+  if (t.dtype != DType::kFloat32 && t.dtype != DType::kBFloat16) {
+    throw InvalidArgument(name, std::string("the CUDA decode reads and writes float32 or bfloat16 states, got ") +
+                                    dtype_name(t.dtype) + (t.dtype == DType::kFloat64 ? " (float64 runs on the CPU)" : ""));
+  }
+  s.p = t.data;
+  s.dtype = t.dtype;
+  s.slot_stride = t.strides[0];
+  s.head_stride = t.strides[1];
+  s.slots = t.shape[0];
+  const int64_t align = std::min<int64_t>(16, vec_elems * static_cast<int64_t>(dtype_size(t.dtype)));
+  s.vec = reinterpret_cast<uintptr_t>(t.data) % align == 0 && (t.shape[0] <= 1 || s.slot_stride % vec_elems == 0) &&
+          (t.shape[1] <= 1 || s.head_stride % vec_elems == 0) && row % vec_elems == 0;
+  return s;
+}
+
+int decode_warps_override() {
+  if (const char* env = std::getenv("KDAKIT_DECODE_WARPS")) {
+    const int w = std::atoi(env);
+    if (w == 1 || w == 2 || w == 4) return w;
+  }
+  return 0;
+}
+
+}  // namespace
+
+void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
+  require_cuda_dtypes(p.in);
+  const Problem& pr = plan.pr;
+  const StateIO& st = p.state;
+  const bool vk = st.layout == StateLayout::kVK;
+  // The pool's dtype fixes the kernel's vector width: 16 bytes of the pool's elements.
+  const TensorView& pool = st.initial_state.present() ? st.initial_state : st.final_state;
+  const bool bf16_pool = pool.present() && pool.dtype == DType::kBFloat16;
+  const int64_t vec = bf16_pool ? 8 : 4;
+
+  DecodeArgs a;
+  a.initial = decode_state(st.initial_state, "initial_state", vec, vk ? pr.K : pr.V);
+  a.final_state = decode_state(st.final_state, "final_state", vec, vk ? pr.K : pr.V);
+  a.token_states = decode_state(p.token_states, "token_states", vec, vk ? pr.K : pr.V);
+  if (pr.N == 0) return;
+
+  a.q = decode_rows(p.in.q);
+  a.k = decode_rows(p.in.k);
+  a.v = decode_rows(p.in.v);
+  a.g = decode_rows(p.in.g);
+  a.beta = decode_rows(p.in.beta);
+  a.beta_cols = p.in.beta.ndim == 4;
+  a.A_log = dyn(p.in.gate.A_log);
+  a.dt_bias = dyn(p.in.gate.dt_bias);
+  a.gate_mode = static_cast<int>(p.in.gate.mode);
+  a.lower_bound = p.in.gate.lower_bound;
+  a.scale = p.in.scale;
+  a.l2norm = p.in.qk_l2norm;
+  a.beta_sigmoid = p.in.beta_sigmoid;
+  a.neg_eigval = p.in.allow_neg_eigval;
+  a.B = static_cast<int>(pr.B);
+  a.T = static_cast<int>(pr.T);
+  a.H = static_cast<int>(pr.H);
+  a.HV = static_cast<int>(pr.HV);
+  a.K = static_cast<int>(pr.K);
+  a.V = static_cast<int>(pr.V);
+  a.group = static_cast<int>(pr.group);
+  a.N = static_cast<int>(pr.N);
+  a.cu_seqlens = dyn(p.in.cu_seqlens);
+  if (p.in.cu_seqlens.present()) a.cu_stride = p.in.cu_seqlens.strides[0];
+  const TensorView& idx = st.state_indices;
+  if (idx.present()) {
+    a.state_indices = dyn(idx);
+    a.idx_s0 = idx.strides[0];
+    if (idx.ndim == 2) {
+      a.idx_2d = true;
+      a.idx_s1 = idx.strides[1];
+      a.idx_cols = idx.shape[1];
+    }
+  }
+  if (p.num_accepted_tokens.present()) {
+    a.num_accepted = dyn(p.num_accepted_tokens);
+    a.acc_stride = p.num_accepted_tokens.strides[0];
+  }
+  if (st.has_initial_state.present()) {
+    a.has_initial_state = dyn(st.has_initial_state);
+    a.has_stride = st.has_initial_state.strides[0];
+  }
+  a.out = dyn(p.out);
+  a.out_sb = p.out.strides[0];
+  a.out_st = p.out.strides[1];
+  a.out_sh = p.out.strides[2];
+
+  // Launch shape. Every warp owns 8 value columns; CTAs of 4 warps share the staged token inputs, smaller ones
+  // spread a small batch over more SMs (N = 1, H = 16: 256 warps as 128 CTAs of 2).
+  DecodeConfig cfg;
+  cfg.KP = pr.K <= 64 ? 64 : (pr.K <= 128 ? 128 : 256);
+  cfg.vk = vk;
+  const int64_t col_warps = (pr.V + kDecodeWarpCols - 1) / kDecodeWarpCols;
+  const int sms = sm_count(pr.device_index);
+  auto ctas = [&](int w) { return pr.N * pr.HV * ((col_warps + w - 1) / w); };
+  int warps = kDecodeMaxWarps;
+  while (warps > 1 && (warps / 2 >= col_warps || ctas(warps) < (3 * sms) / 4)) warps /= 2;
+  if (const int w = decode_warps_override()) warps = w;  // developer override for tuning; results do not change
+  cfg.warps = warps;
+  const int bv = warps * kDecodeWarpCols;
+  a.vtiles = static_cast<int>((pr.V + bv - 1) / bv);
+  cfg.ctas = pr.N * pr.HV * a.vtiles;
+  if (cfg.ctas > 0x7fffffff) {
+    throw InvalidArgument("q", "too many sequences x heads for one launch (" + std::to_string(cfg.ctas) + " CTAs)");
+  }
+  // Tokens staged at a time: the longest sequence when known (any sequence is at most T long), up to 16.
+  const int64_t longest = plan.cu_known ? plan.max_len : pr.T;
+  const int tb_max = cfg.KP <= 128 ? 16 : 8;
+  a.tb = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(longest, tb_max)));
+  cfg.smem = DecodeSmem(cfg.KP, a.tb, bv).total;
+
+  DeviceGuard guard(pr.device_index);
+  auto s = static_cast<cudaStream_t>(stream);
+  if (bf16_pool) launch_decode<__nv_bfloat16>(a, cfg, s);
+  else launch_decode<float>(a, cfg, s);
 }
 
 }  // namespace kdakit::cuda

@@ -1,0 +1,113 @@
+// Kernel arguments of the CUDA decode / speculative verify, derived on the host from kdakit::DecodeParams
+// (src/cuda/backend.cu, `decode`).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/common/io.cuh"
+
+namespace kdakit::cuda {
+
+// Warps per CTA are chosen at run time (1, 2 or 4); every warp owns kDecodeWarpCols value columns.
+constexpr int kDecodeWarpCols = 8;
+constexpr int kDecodeMaxWarps = 4;
+
+// A token tensor [B,T,heads,dim] (or beta [B,T,HV]) whose element type is known at run time.
+struct DecodeRows {
+  const void* p = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t sb = 0, st = 0, sh = 0;
+  bool vec = false;  // 8-element pieces at multiples of 8 may be read as 16-byte vectors (aligned base and strides)
+  __host__ __device__ int64_t offset(int64_t b, int64_t t, int64_t h) const { return b * sb + t * st + h * sh; }
+};
+
+// A state tensor [P,HV,K,V] (or v-first [P,HV,V,K]) with dense per-head blocks, float32 or bfloat16.
+struct DecodeState {
+  void* p = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t slot_stride = 0, head_stride = 0;
+  int64_t slots = 0;  // rows P; slot ids outside [0, P) are neither read nor written
+  bool vec = false;   // the kernel's vector accesses are aligned for this tensor
+  __host__ __device__ bool present() const { return p != nullptr; }
+  __host__ __device__ int64_t block(int64_t slot, int64_t hv) const { return slot * slot_stride + hv * head_stride; }
+};
+
+// Compile-time shape (KP, layout) and launch shape of the kernel chosen for a call.
+struct DecodeConfig {
+  int KP = 128;       // K padded: 64, 128, 256
+  bool vk = true;     // v-first state layout [.., V, K]
+  int warps = 4;      // 1, 2 or 4 per CTA
+  size_t smem = 0;    // dynamic shared memory, bytes
+  int64_t ctas = 0;   // N * HV * vtiles
+};
+
+// Dynamic shared memory of one CTA, byte offsets (host and device agree on it). Float rows: q * scale / |q|,
+// k / |k| and exp(gate) [tb][KP]; v and beta [tb][bv]; q.k [tb]; per-token slots (int) [tb]; the head's dt_bias
+// [KP] and A_log. Inputs are copied raw into the tail of their float row (bf16/fp16: the second half; fp32: the
+// row itself) and widened in place.
+struct DecodeSmem {
+  size_t q, k, a, v, beta, qk, slot, bias, a_log, total;
+  __host__ __device__ DecodeSmem(int KP, int tb, int bv) : q(0) {
+    const size_t row = 4 * size_t(tb) * KP, cols = 4 * size_t(tb) * bv, one = (4 * size_t(tb) + 15) & ~size_t(15);
+    k = q + row;
+    a = k + row;
+    v = a + row;
+    beta = v + cols;
+    qk = beta + cols;
+    slot = qk + one;
+    bias = slot + one;
+    a_log = bias + 4 * size_t(KP);
+    total = a_log + 16;
+  }
+};
+
+struct DecodeArgs {
+  // Inputs. q, k, v, g share one dtype (bf16, fp16 or fp32); beta has its own.
+  DecodeRows q, k, v, g, beta;
+  bool beta_cols = false;  // beta [B,T,HV,V] (one per value column) instead of [B,T,HV]
+  DynPtr A_log, dt_bias;
+  int gate_mode = 0;  // 0 pre-gated, 1 softplus, 2 lower bound
+  float lower_bound = -5.f;
+  float scale = 1.f;
+  bool l2norm = false, beta_sigmoid = false, neg_eigval = false;
+  int B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, group = 1, N = 0;
+  DynPtr cu_seqlens;  // absent: fixed length
+  int64_t cu_stride = 1;
+
+  // States. Slot rules as in src/cpu/state.h (plan_slots).
+  DecodeState initial, final_state;
+  DecodeState token_states;  // [B*T,HV,*,*]: the state after every token (row b*T + t)
+  DynPtr state_indices;      // [N] or [N,T_max]
+  int64_t idx_s0 = 0, idx_s1 = 0;
+  bool idx_2d = false;
+  int64_t idx_cols = 0;      // T_max of 2-D indices
+  DynPtr num_accepted;       // [N], needs 2-D indices
+  int64_t acc_stride = 0;
+  DynPtr has_initial_state;  // [N]
+  int64_t has_stride = 0;
+
+  // Output [B,T,HV,V].
+  DynPtr out;
+  int64_t out_sb = 0, out_st = 0, out_sh = 0;
+
+  // Tiling: the grid is N * HV * vtiles CTAs of 32 * warps threads; tokens are staged tb at a time.
+  int vtiles = 1;
+  int tb = 16;
+
+  // Sequence n: batch row, first token, length.
+  __device__ __forceinline__ void sequence(int n, int64_t& b, int64_t& t0, int64_t& len) const {
+    if (cu_seqlens.present()) {
+      b = 0;
+      t0 = cu_seqlens.load_int(n * cu_stride);
+      len = cu_seqlens.load_int((n + 1) * cu_stride) - t0;
+      if (len < 0) len = 0;
+    } else {
+      b = n;
+      t0 = 0;
+      len = T;
+    }
+  }
+};
+
+}  // namespace kdakit::cuda
