@@ -307,6 +307,14 @@ int decode_warps_override() {
   return 0;
 }
 
+int decode_passes_override() {
+  if (const char* env = std::getenv("KDAKIT_DECODE_PASSES")) {
+    const int w = std::atoi(env);
+    if (w == 1 || w == 2 || w == 4) return w;
+  }
+  return 0;
+}
+
 }  // namespace
 
 void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
@@ -385,16 +393,42 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   if (const int w = decode_warps_override()) warps = w;  // developer override for tuning; results do not change
   cfg.warps = warps;
   const int bv = warps * kDecodeWarpCols;
-  a.vtiles = static_cast<int>((pr.V + bv - 1) / bv);
-  cfg.ctas = pr.N * pr.HV * a.vtiles;
-  if (cfg.ctas > 0x7fffffff) {
-    throw InvalidArgument("q", "too many sequences x heads for one launch (" + std::to_string(cfg.ctas) + " CTAs)");
-  }
   // Tokens staged at a time: the longest sequence when known (any sequence is at most T long), up to 16.
   const int64_t longest = plan.cu_known ? plan.max_len : pr.T;
   const int tb_max = cfg.KP <= 128 ? 16 : 8;
   a.tb = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(longest, tb_max)));
-  cfg.smem = DecodeSmem(cfg.KP, a.tb, bv).total;
+  // The state tile is staged in shared memory (cp.async, all issued up front) where the pool allows 16-byte copies,
+  // so the loads in flight per SM are bounded by shared memory, not registers. Passes: a CTA tile of up to 32 KB of
+  // state (2 x 32 fp32 or 4 x 32 bf16 columns of K = 128), which puts >= 128 KB of loads in flight per SM; only
+  // where there are CTAs to spare (small batches keep more, smaller CTAs for latency), and within the 48 KB of
+  // dynamic shared memory a launch gets without opting in.
+  a.stage_state = a.initial.present() && a.initial.vec;
+  const int pool_bytes = bf16_pool ? 2 : 4;
+  auto smem_of = [&](int passes) {
+    const size_t tile = a.stage_state ? decode_state_tile_bytes(cfg.KP, pool_bytes, 32 * warps, passes) : 0;
+    return DecodeSmem(cfg.KP, a.tb, bv * passes, tile).total;
+  };
+  if (smem_of(1) > 49152) a.stage_state = false;  // K = 256 fp32 with 8 staged tokens: registers only
+  const int64_t col_tiles = (pr.V + bv - 1) / bv;  // CTA tiles of one pass
+  int passes = 1;
+  for (const int P : {4, 2}) {
+    if (!a.stage_state) break;
+    if (P > col_tiles || decode_state_tile_bytes(cfg.KP, pool_bytes, 32 * warps, P) > 32768 || smem_of(P) > 49152) continue;
+    if (pr.N * pr.HV * ((col_tiles + P - 1) / P) < 4 * int64_t(sms)) continue;
+    passes = P;
+    break;
+  }
+  if (const int ov = decode_passes_override()) {  // developer override for tuning and tests; results do not change
+    passes = ov;
+    while (passes > 1 && smem_of(passes) > 49152) passes /= 2;
+  }
+  cfg.passes = a.passes = passes;
+  a.vtiles = static_cast<int>((pr.V + int64_t(bv) * passes - 1) / (int64_t(bv) * passes));
+  cfg.ctas = pr.N * pr.HV * a.vtiles;
+  if (cfg.ctas > 0x7fffffff) {
+    throw InvalidArgument("q", "too many sequences x heads for one launch (" + std::to_string(cfg.ctas) + " CTAs)");
+  }
+  cfg.smem = smem_of(passes);
 
   DeviceGuard guard(pr.device_index);
   auto s = static_cast<cudaStream_t>(stream);

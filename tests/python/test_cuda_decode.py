@@ -459,6 +459,74 @@ def test_determinism_and_batch_invariance(seed):
     assert same_bits(o3, o1[:, s]) and same_bits(p3[6], p1[6]), "a sequence's result depends on its batch"
 
 
+TILINGS = [(w, p) for w in (1, 2, 4) for p in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 64), (100, 60), (256, 128)])
+def test_tilings_agree(seed, monkeypatch, v_first, pool_dtype, K, V):
+    """Every launch shape (KDAKIT_DECODE_WARPS x KDAKIT_DECODE_PASSES: warps per CTA, column groups per CTA tile,
+    the state tile staged in shared memory) gives the same bits, and the oracle's results: T = 1 with [N] indices into
+    a poisoned pool, verify-and-commit with [N, T] indices, and long varlen sequences (several staged batches per
+    pass, an empty sequence)."""
+    N, HV = 6, 4
+    x1 = make([1] * N, 2, HV, K, V, dtype=torch.bfloat16, fixed=True)
+    idx1 = torch.randperm(3 * N, device=DEV)[:N].to(torch.int32)
+    pool1 = make_pool(3 * N, HV, K, V, pool_dtype, v_first, idx1)
+    lens2, Tm = [4, 1, 3, 4], 4
+    x2 = make(lens2, 2, HV, K, V, dtype=torch.bfloat16)
+    idx2 = torch.randperm(4 * len(lens2) * Tm, device=DEV)[:len(lens2) * Tm].reshape(len(lens2), Tm).to(torch.int32)
+    acc2 = torch.tensor([4, 1, 2, 3], device=DEV, dtype=torch.int32)
+    pool2 = make_pool(4 * len(lens2) * Tm, HV, K, V, pool_dtype, v_first,
+                      idx2[torch.arange(len(lens2), device=DEV), acc2.long() - 1])
+    lens3 = [17, 0, 1, 40]
+    x3 = make(lens3, 2, HV, K, V, dtype=torch.float32)
+    h3 = torch.randn(len(lens3), HV, V, K, device=DEV) if v_first else torch.randn(len(lens3), HV, K, V, device=DEV)
+
+    def run_all():
+        p1, p2 = pool1.clone(), pool2.clone()
+        o1, _ = call(x1, p1, state_v_first=v_first, ssm_state_indices=idx1)
+        o2, _ = call(x2, p2, state_v_first=v_first, ssm_state_indices=idx2, num_accepted_tokens=acc2)
+        with torch.inference_mode():
+            o3, ht3 = kdakit.fused_recurrent_kda(x3["q"], x3["k"], x3["v"], x3["g"], x3["beta"], A_log=x3["A_log"],
+                                                 dt_bias=x3["dt_bias"], initial_state=h3, output_final_state=True,
+                                                 state_v_first=v_first, cu_seqlens=x3["cu"], **x3["opts"])
+        torch.cuda.synchronize()
+        return [o1, p1, o2, p2, o3, ht3]
+
+    base = None
+    for warps, passes in TILINGS:
+        monkeypatch.setenv("KDAKIT_DECODE_WARPS", str(warps))
+        monkeypatch.setenv("KDAKIT_DECODE_PASSES", str(passes))
+        got = run_all()
+        if base is None:
+            base = got
+            o1, p1, o2, p2, o3, ht3 = got
+            ro, rs = oracle(x1, h0_from_pool(pool1, idx1.tolist(), v_first))
+            close("o (T=1)", o1, ro, tol(x1))
+            close("slots (T=1)", kv(p1[idx1.long()], v_first), final(rs, None), tol(x1, pool_dtype))
+            untouched = torch.ones(p1.shape[0], dtype=torch.bool, device=DEV)
+            untouched[idx1.long()] = False
+            assert same_bits(p1[untouched], pool1[untouched])
+            read = [idx2[n, acc2[n] - 1].item() for n in range(len(lens2))]
+            ro, rs = oracle(x2, h0_from_pool(pool2, read, v_first))
+            close("o (T=4)", o2, ro, tol(x2))
+            written = torch.zeros(p2.shape[0], dtype=torch.bool, device=DEV)
+            for n in range(len(lens2)):
+                slots = idx2[n, :lens2[n]].long()
+                written[slots] = True
+                close(f"slots of sequence {n}", kv(p2[slots], v_first), torch.stack(rs[n]), tol(x2, pool_dtype))
+            assert same_bits(p2[~written], pool2[~written])
+            h0 = kv(h3, v_first)
+            ro, rs = oracle(x3, h0)
+            close("o (varlen)", o3, ro, tol(x3))
+            close("ht (varlen)", kv(ht3, v_first), final(rs, h0), tol(x3))
+        else:
+            for i, (g, b) in enumerate(zip(got, base)):
+                assert same_bits(g, b), f"result {i} differs with {warps} warps, {passes} passes"
+
+
 # ---- CUDA graphs, one launch per call, errors ------------------------------------------------------------------
 
 def test_cuda_graph_capture_and_replay(seed):

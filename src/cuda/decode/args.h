@@ -9,9 +9,19 @@
 
 namespace kdakit::cuda {
 
-// Warps per CTA are chosen at run time (1, 2 or 4); every warp owns kDecodeWarpCols value columns.
+// Warps per CTA are chosen at run time (1, 2 or 4); every warp owns kDecodeWarpCols value columns per pass, and a
+// CTA makes 1, 2 or 4 passes over column groups of its tile (run time too), so a CTA tile has up to
+// kDecodeMaxTileCols value columns.
 constexpr int kDecodeWarpCols = 8;
 constexpr int kDecodeMaxWarps = 4;
+constexpr int kDecodeMaxPasses = 4;
+constexpr int kDecodeMaxTileCols = kDecodeMaxWarps * kDecodeWarpCols * kDecodeMaxPasses;
+
+// Shared memory of the staged state tile of one CTA: every thread stages its own KP / 4 state elements per pass
+// (16-byte pieces of the pool's dtype, `pool_bytes` per element).
+__host__ __device__ constexpr size_t decode_state_tile_bytes(int KP, int pool_bytes, int nthreads, int passes) {
+  return size_t(passes) * size_t(nthreads) * size_t(KP / 4) * size_t(pool_bytes);
+}
 
 // A token tensor [B,T,heads,dim] (or beta [B,T,HV]) whose element type is known at run time.
 struct DecodeRows {
@@ -38,17 +48,19 @@ struct DecodeConfig {
   int KP = 128;       // K padded: 64, 128, 256
   bool vk = true;     // v-first state layout [.., V, K]
   int warps = 4;      // 1, 2 or 4 per CTA
+  int passes = 1;     // 1, 2 or 4 column groups per CTA tile
   size_t smem = 0;    // dynamic shared memory, bytes
   int64_t ctas = 0;   // N * HV * vtiles
 };
 
 // Dynamic shared memory of one CTA, byte offsets (host and device agree on it). Float rows: q * scale / |q|,
-// k / |k| and exp(gate) [tb][KP]; v and beta [tb][bv]; q.k [tb]; per-token slots (int) [tb]; the head's dt_bias
-// [KP] and A_log. Inputs are copied raw into the tail of their float row (bf16/fp16: the second half; fp32: the
-// row itself) and widened in place.
+// k / |k| and exp(gate) [tb][KP]; v and beta [tb][bv] (bv: the CTA tile's columns, all passes); q.k [tb];
+// per-token slots (int) [tb]; the head's dt_bias [KP] and A_log; then the staged state tile (`state_bytes`, 0 when
+// the state is not staged). Inputs are copied raw into the tail of their float row (bf16/fp16: the second half;
+// fp32: the row itself) and widened in place.
 struct DecodeSmem {
-  size_t q, k, a, v, beta, qk, slot, bias, a_log, total;
-  __host__ __device__ DecodeSmem(int KP, int tb, int bv) : q(0) {
+  size_t q, k, a, v, beta, qk, slot, bias, a_log, state, total;
+  __host__ __device__ DecodeSmem(int KP, int tb, int bv, size_t state_bytes) : q(0) {
     const size_t row = 4 * size_t(tb) * KP, cols = 4 * size_t(tb) * bv, one = (4 * size_t(tb) + 15) & ~size_t(15);
     k = q + row;
     a = k + row;
@@ -58,7 +70,8 @@ struct DecodeSmem {
     slot = qk + one;
     bias = slot + one;
     a_log = bias + 4 * size_t(KP);
-    total = a_log + 16;
+    state = a_log + 16;
+    total = state + state_bytes;
   }
 };
 
@@ -91,8 +104,12 @@ struct DecodeArgs {
   DynPtr out;
   int64_t out_sb = 0, out_st = 0, out_sh = 0;
 
-  // Tiling: the grid is N * HV * vtiles CTAs of 32 * warps threads; tokens are staged tb at a time.
+  // Tiling: the grid is N * HV * vtiles CTAs of 32 * warps threads; a CTA tile is passes * 8 * warps value
+  // columns, processed 8 * warps columns per pass; tokens are staged tb at a time. stage_state: the initial state
+  // tile goes to shared memory by asynchronous 16-byte copies, all issued up front (needs initial.vec).
   int vtiles = 1;
+  int passes = 1;
+  bool stage_state = false;
   int tb = 16;
 
   // Sequence n: batch row, first token, length.

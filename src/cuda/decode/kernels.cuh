@@ -2,9 +2,15 @@
 // sequence against a state pool, in one launch.
 //
 // Grid: one CTA per (sequence, v-head, V tile); a CTA has 1, 2 or 4 warps and every warp owns 8 value columns
-// of the state over all K, so the V tile is 8 * warps columns. Warps never exchange data during the token math:
-// the reductions over K stay inside a warp. The fp32 state tile lives in registers for the whole call (read
-// once, written once; per-token states only where asked).
+// of the state over all K per pass; a CTA makes 1, 2 or 4 passes (run time), so the V tile is 8 * warps * passes
+// columns. Warps never exchange data during the token math: the reductions over K stay inside a warp. A pass's
+// fp32 state lives in registers from its first token to its last (read once, written once; per-token states only
+// where asked).
+//
+// State loads: the whole tile (every pass) is issued up front as 16-byte cp.async copies into shared memory, one
+// commit group per pass, each thread copying exactly the vectors it later reads (no barrier: cp.async.wait_group
+// orders them). The loads in flight are then bounded by shared memory (a 32 KB tile per CTA), not by the 32 state
+// registers of a thread (128 B fp32 / 64 B bf16 in flight each).
 //
 // Thread mapping (a template flag, chosen so that global accesses are 16-byte vectors and each instruction of a
 // warp covers whole 128-byte lines where the layout allows):
@@ -18,8 +24,9 @@
 //
 // Per token: S *= exp(g) (per key); kS and qS from the decayed state in one pass; e = beta (v - kS);
 // o = qS + (q.k) e, which equals q.(S + k e^T) without a second pass over the state; S += k e^T.
-// q, k, g, v and beta of up to `tb` tokens are staged in shared memory once per CTA, where one warp per token
-// computes the L2 norms, q.k, the gate and the beta activation.
+// q, k, g, v and beta of up to `tb` tokens are staged in shared memory once per CTA (once for all passes when the
+// sequence fits one batch), where one warp per token computes the L2 norms, q.k, the gate and the beta activation
+// (rsqrtf and the special function unit: ex2.approx, as the CUDA forward's gate).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -43,7 +50,9 @@ struct Tile {
   static constexpr int NJ = VK ? 2 : VEC;                            // value columns per thread
   static constexpr int GRP = ND < 4 ? ND : 4;                        // keys per shared-memory vector read
   static constexpr int KL = KP / 32;                                 // keys per lane in the preparation
+  static constexpr int NVEC = NJ * ND / VEC;                         // 16-byte state vectors per thread and pass
   static_assert(ND % GRP == 0 && (!VK || ND % VEC == 0), "keys per thread come in whole vectors");
+  static_assert(NJ * ND == KP / 4, "decode_state_tile_bytes: KP / 4 state elements per thread and pass");
   static_assert(NJ * (VK ? 4 : LV) == kDecodeWarpCols, "a warp owns kDecodeWarpCols value columns");
   static_assert(kDecodeMaxWarps * kDecodeWarpCols <= 32, "the preparation widens one CTA column per lane");
 };
@@ -85,6 +94,50 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `pending` (0..kDecodeMaxPasses) of this thread's most recent cp.async groups are in flight.
+__device__ __forceinline__ void cp_async_wait_pending(int pending) {
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 4;\n" ::: "memory"); break;
+  }
+}
+static_assert(kDecodeMaxPasses <= 4, "cp_async_wait_pending covers up to 4 pending groups");
+
+// ---- fast math (the special function unit) -------------------------------------------------------------------
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The gate in log2 units (as GateLog2 of the CUDA forward): x = raw gate + dt_bias (modes 1, 2) or the natural-log
+// gate itself (mode 0); exp(A_log) is computed once per warp task, not per element.
+struct DecodeGate {
+  int mode;
+  float a, coef;  // a = exp(A_log) (1 without); coef: mode 1 -exp(A_log) log2 e, mode 2 lower_bound log2 e
+  __device__ __forceinline__ DecodeGate(int m, float A_log, bool has_A_log, float lower_bound) : mode(m) {
+    a = has_A_log ? expf(A_log) : 1.f;
+    coef = mode == 1 ? -a * kLog2e : lower_bound * kLog2e;
+  }
+  __device__ __forceinline__ float log2_gate(float x) const {
+    if (mode == 0) return x * kLog2e;
+    if (mode == 1) return coef * (x > 20.f ? x : log1pf(fast_exp2(x * kLog2e)));  // softplus with FLA's threshold
+    return __fdividef(coef, 1.f + fast_exp2(-a * kLog2e * x));  // coef * sigmoid(a x); 0 when the exponent overflows
+  }
+};
+
+// math::beta_value with the special function unit: identity, sigmoid or 2 * sigmoid.
+__device__ __forceinline__ float fast_beta(float raw, bool use_sigmoid, bool neg_eigval) {
+  if (!use_sigmoid) return raw;
+  return (neg_eigval ? 2.f : 1.f) * __frcp_rn(1.f + fast_exp2(-raw * kLog2e));  // 1 / inf = 0
+}
 
 // Copies columns [c0, c0 + ncols) of nb token rows of head `head` into the tails of nb float rows of shared
 // memory (raw dtype of es bytes at byte offset (4 - es) * ncols of each row), zero past column `limit`. 16-byte
@@ -269,6 +322,73 @@ __device__ __forceinline__ void store_block_t(const float (&S)[L::NJ][L::ND], T*
   }
 }
 
+// ---- the staged state tile ----------------------------------------------------------------------------------
+// A thread copies exactly the 16-byte vectors it later reads (those load_block would read as vectors) into its own
+// slots of shared memory: vector vi of pass p at ((p * NVEC + vi) * nthreads + tid) * 16. So cp.async.wait_group
+// alone orders them (no barrier), and a warp's shared-memory reads are consecutive 16-byte pieces (no bank
+// conflicts). Vectors that cannot be copied whole (K or V tails, unaligned pools) are read from global memory, element
+// by element, when the pass starts.
+
+// Vector vi of the thread's tile part: its element offset from pl.off and the number of its elements inside K/V.
+template <typename L, bool VK>
+__device__ __forceinline__ void vector_of(int vi, const Place& pl, int& off, int& valid) {
+  if constexpr (VK) {
+    constexpr int PER_J = L::ND / L::VEC;
+    const int jj = vi / PER_J, r8 = (vi % PER_J) * 8 * L::VEC;
+    off = jj * pl.step + r8;
+    valid = jj * 4 < pl.lim_j ? pl.lim_k - r8 : 0;
+  } else {
+    off = vi * pl.step;
+    valid = vi < pl.lim_k ? pl.lim_j : 0;
+  }
+}
+
+template <typename PoolT, bool VK, int KP>
+__device__ __forceinline__ void issue_block_async(const PoolT* p, const Place& pl, char* sm, int nthreads) {
+  using L = Tile<PoolT, VK, KP>;
+#pragma unroll
+  for (int vi = 0; vi < L::NVEC; ++vi) {
+    int off, valid;
+    vector_of<L, VK>(vi, pl, off, valid);
+    if (valid >= L::VEC) cp_async16(sm + size_t(vi) * nthreads * 16, p + pl.off + off, 16);
+  }
+}
+
+template <typename PoolT, bool VK, int KP>
+__device__ __forceinline__ void load_block_staged(float (&S)[Tile<PoolT, VK, KP>::NJ][Tile<PoolT, VK, KP>::ND],
+                                                  const PoolT* p, const Place& pl, const char* sm, int nthreads) {
+  using L = Tile<PoolT, VK, KP>;
+#pragma unroll
+  for (int vi = 0; vi < L::NVEC; ++vi) {
+    int off, valid;
+    vector_of<L, VK>(vi, pl, off, valid);
+    float x[L::VEC];
+    if (valid >= L::VEC) {
+      const uint4 u = *reinterpret_cast<const uint4*>(sm + size_t(vi) * nthreads * 16);
+      if constexpr (std::is_same<PoolT, float>::value) {
+        x[0] = __uint_as_float(u.x); x[1] = __uint_as_float(u.y); x[2] = __uint_as_float(u.z); x[3] = __uint_as_float(u.w);
+      } else {
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          x[2 * i] = bf16_lo(w[i]);
+          x[2 * i + 1] = bf16_hi(w[i]);
+        }
+      }
+    } else {
+      load_state_vec<PoolT, L::VEC>(p + pl.off + off, 0, valid, false, x);
+    }
+    if constexpr (VK) {
+      constexpr int PER_J = L::ND / L::VEC;
+#pragma unroll
+      for (int i = 0; i < L::VEC; ++i) S[vi / PER_J][(vi % PER_J) * L::VEC + i] = x[i];
+    } else {
+#pragma unroll
+      for (int jj = 0; jj < L::NJ; ++jj) S[jj][vi] = x[jj];
+    }
+  }
+}
+
 // Outputs may differ in dtype from the pool (e.g. float32 token states next to a bf16 pool): run-time switch.
 template <typename L, bool VK>
 __device__ __forceinline__ void store_block(const float (&S)[L::NJ][L::ND], const DecodeState st, int64_t block,
@@ -282,9 +402,9 @@ __device__ __forceinline__ void store_block(const float (&S)[L::NJ][L::ND], cons
 
 }  // namespace decode_detail
 
-// Registers: with KP <= 128 five CTAs of 4 warps fit an SM (<= 96 registers) without spills, which keeps enough
-// state loads in flight; the [K,V] bf16 tile (8 columns per thread, 16 sums per butterfly) needs up to 128 at
-// KP = 128 (four CTAs); KP = 256 holds twice the state per thread.
+// Registers: with KP <= 128 five CTAs of 4 warps fit an SM (<= 96 registers) without spills; the [K,V] bf16 tile
+// (8 columns per thread, 16 sums per butterfly) needs up to 128 at KP = 128 (four CTAs); KP = 256 holds twice the
+// state per thread. The state loads in flight are not bounded by registers: the tile is staged in shared memory.
 template <typename L, bool VK, int KP>
 constexpr int decode_min_blocks() { return KP > 128 ? 2 : (!VK && L::NJ == 8 && KP == 128 ? 4 : 5); }
 
@@ -296,7 +416,9 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   using namespace decode_detail;
   using L = Tile<PoolT, VK, KP>;
   constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL, GRP = L::GRP;
+  constexpr int MC = kDecodeMaxTileCols / 32;  // tile columns per lane in the preparation
   const int nthreads = blockDim.x, nw = nthreads >> 5, bv = nw * kDecodeWarpCols;
+  const int passes = a.passes, bvt = bv * passes;  // columns per pass; columns of the CTA tile
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   int64_t bid = blockIdx.x;
   const int vt = static_cast<int>(bid % a.vtiles);
@@ -304,20 +426,21 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   const int hv = static_cast<int>(bid % a.HV);
   const int n = static_cast<int>(bid / a.HV);
   const int h = hv / a.group;
-  const int col0 = vt * bv;                          // the CTA's first value column
-  const int wcol0 = col0 + warp * kDecodeWarpCols;  // this warp's first value column
+  const int col0 = vt * bvt;  // the CTA's first value column
 
   extern __shared__ __align__(16) char smem[];
   const int tb = a.tb;
   const int es = a.q.dtype == DType::kFloat32 ? 4 : 2, bes = a.beta.dtype == DType::kFloat32 ? 4 : 2;
-  const DecodeSmem lay(KP, tb, bv);
+  const DecodeSmem lay(KP, tb, bvt,
+                       a.stage_state ? decode_state_tile_bytes(KP, int(sizeof(PoolT)), nthreads, passes) : 0);
   float* sQ = reinterpret_cast<float*>(smem + lay.q);     // [tb][KP] q * scale / |q|
   float* sK = reinterpret_cast<float*>(smem + lay.k);     // [tb][KP] k / |k|
   float* sA = reinterpret_cast<float*>(smem + lay.a);     // [tb][KP] exp(gate)
-  float* sV = reinterpret_cast<float*>(smem + lay.v);     // [tb][bv] v of the CTA's columns
-  float* sB = reinterpret_cast<float*>(smem + lay.beta);  // [tb][bv] beta of the CTA's columns
+  float* sV = reinterpret_cast<float*>(smem + lay.v);     // [tb][bvt] v of the CTA's columns
+  float* sB = reinterpret_cast<float*>(smem + lay.beta);  // [tb][bvt] beta of the CTA's columns
   float* sQK = reinterpret_cast<float*>(smem + lay.qk);   // [tb] q.k (normalised, scaled)
   int* sSlot = reinterpret_cast<int*>(smem + lay.slot);   // [tb] per-token slot (2-D indices)
+  char* sState = smem + lay.state + size_t(tid) * 16;     // this thread's staged state vectors
   const DType in_dt = a.q.dtype;
 
   // Per-sequence scalars: every load is issued before any is used. Slot rules: src/cpu/state.h (plan_slots).
@@ -326,21 +449,34 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   const int64_t slot1 = a.state_indices.present() && !idx2d ? a.state_indices.load_int(n * a.idx_s0) : n;
   const int64_t acc = idx2d && a.num_accepted.present() ? a.num_accepted.load_int(n * a.acc_stride) : 1;
   const int64_t has = a.has_initial_state.present() ? a.has_initial_state.load_int(n * a.has_stride) : 1;
-  int64_t b, t0, len;
-  a.sequence(n, b, t0, len);
+  // The head's gate parameters, into registers now (they go to shared memory once the state's copies are issued):
+  // in flight with the slot loads, not after them.
+  constexpr int NBIAS = KP / 32;  // dt_bias values per thread (CTAs have 32 threads or more)
+  float bias_r[NBIAS];
+  const bool use_bias = a.gate_mode != 0 && a.dt_bias.present();
+#pragma unroll
+  for (int i = 0; i < NBIAS; ++i) {
+    const int d = tid + i * nthreads;
+    bias_r[i] = use_bias && d < a.K ? a.dt_bias.load(int64_t(hv) * a.K + d) : 0.f;
+  }
+  const float alog_r = tid == 0 && a.A_log.present() ? a.A_log.load(hv) : 0.f;
+  int64_t b64, t064, len64;
+  a.sequence(n, b64, t064, len64);
+  const int b = static_cast<int>(b64), t0 = static_cast<int>(t064), len = static_cast<int>(len64);  // < 2^31
 
-  // Step 1 of a token batch: raw inputs into shared memory by asynchronous copies, all in flight at once. The
-  // scalars (headwise beta, per-token slots) go through registers; `commit` stores them once they are needed.
+  // Step 1 of a token batch: raw inputs into shared memory by asynchronous copies, all in flight at once, committed
+  // as one group. The scalars (headwise beta, per-token slots) go through registers; `commit` stores them once they
+  // are needed.
   float beta_raw = 0.f;
   int tok_slot = -1;
-  auto stage = [&](int64_t i0, int nb) {
-    const int64_t s0 = t0 + i0;
+  auto stage = [&](int i0, int nb) {
+    const int64_t s0 = int64_t(t0) + i0;
     stage_rows(smem + lay.q, a.q, es, h, b, s0, nb, 0, KP, a.K, tid, nthreads);
     stage_rows(smem + lay.k, a.k, es, h, b, s0, nb, 0, KP, a.K, tid, nthreads);
     stage_rows(smem + lay.a, a.g, es, hv, b, s0, nb, 0, KP, a.K, tid, nthreads);
-    stage_rows(smem + lay.v, a.v, es, hv, b, s0, nb, col0, bv, a.V, tid, nthreads);
+    stage_rows(smem + lay.v, a.v, es, hv, b, s0, nb, col0, bvt, a.V, tid, nthreads);
     if (a.beta_cols) {
-      stage_rows(smem + lay.beta, a.beta, bes, hv, b, s0, nb, col0, bv, a.V, tid, nthreads);
+      stage_rows(smem + lay.beta, a.beta, bes, hv, b, s0, nb, col0, bvt, a.V, tid, nthreads);
     } else if (tid < nb) {  // one value per head, activated in step 2
       beta_raw = load_scalar(a.beta.p, a.beta.dtype, a.beta.offset(b, s0 + tid, hv));
     }
@@ -349,182 +485,234 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
       const int64_t w = t < a.idx_cols ? a.state_indices.load_int(n * a.idx_s0 + t * a.idx_s1) : -1;
       tok_slot = w >= 0 && w < a.final_state.slots ? static_cast<int>(w) : -1;
     }
+    cp_async_commit();
   };
-  auto commit = [&](int nb) {
-    if (!a.beta_cols && tid < nb) sB[tid * bv] = beta_raw;
+  // `pending`: cp.async groups committed after the batch's that may stay in flight (the state tile's passes).
+  auto commit = [&](int nb, int pending) {
+    if (!a.beta_cols && tid < nb) sB[tid * bvt] = beta_raw;
     if (per_token && tid < nb) sSlot[tid] = tok_slot;
-    cp_async_wait_all();
+    cp_async_wait_pending(pending);
     __syncthreads();
   };
   if (len > 0) stage(0, static_cast<int>(len < tb ? len : tb));  // before the state: it does not wait for the slots
 
   // The slots. Ids outside the pool are treated like -1 (no read, no write): the host cannot check device-side
   // indices without a synchronisation.
-  int64_t rslot = slot1, wslot = idx2d ? -1 : slot1;
-  if (idx2d) rslot = acc >= 1 && acc <= a.idx_cols ? a.state_indices.load_int(n * a.idx_s0 + (acc - 1) * a.idx_s1) : -1;
-  if (!a.initial.present() || rslot < 0 || rslot >= a.initial.slots || has == 0) rslot = -1;
-  if (!a.final_state.present() || wslot < 0 || wslot >= a.final_state.slots) wslot = -1;
+  int64_t rslot64 = slot1, wslot64 = idx2d ? -1 : slot1;
+  if (idx2d) rslot64 = acc >= 1 && acc <= a.idx_cols ? a.state_indices.load_int(n * a.idx_s0 + (acc - 1) * a.idx_s1) : -1;
+  if (!a.initial.present() || rslot64 < 0 || rslot64 >= a.initial.slots || has == 0) rslot64 = -1;
+  if (!a.final_state.present() || wslot64 < 0 || wslot64 >= a.final_state.slots) wslot64 = -1;
+  const int rslot = static_cast<int>(rslot64), wslot = static_cast<int>(wslot64);  // -1 or a slot of the pool (int32)
+  const bool has_src = rslot >= 0;
+  auto src = [&]() { return static_cast<const PoolT*>(a.initial.p) + a.initial.block(rslot, hv); };
 
-  // The state tile: every load is issued here and stays in flight while the token inputs are prepared.
-  const Place pl = place_of<L, VK>(a.K, a.V, wcol0, lane);
-  float S[NJ][ND];
-  if (rslot >= 0) {
-    load_block<PoolT, VK, KP>(S, static_cast<const PoolT*>(a.initial.p) + a.initial.block(rslot, hv), pl, a.initial.vec);
-  } else {
-#pragma unroll
-    for (int jj = 0; jj < NJ; ++jj) {
-#pragma unroll
-      for (int dd = 0; dd < ND; ++dd) S[jj][dd] = 0.f;
+  // The state tile: with stage_state every pass's copies are issued here, one cp.async group per pass (empty ones
+  // too, so that the group count is the same for every thread), and stay in flight while the token inputs are
+  // prepared and while earlier passes compute.
+  const int tile_vecs = L::NVEC * nthreads * 16;  // bytes of one pass in shared memory
+  if (a.stage_state) {
+    for (int p = 0; p < passes; ++p) {
+      if (has_src) {
+        const Place pp = place_of<L, VK>(a.K, a.V, col0 + p * bv + warp * kDecodeWarpCols, lane);
+        issue_block_async<PoolT, VK, KP>(src(), pp, sState + size_t(p) * tile_vecs, nthreads);
+      }
+      cp_async_commit();
     }
   }
+  const int state_groups = a.stage_state ? passes : 0;
 
-  // The head's gate parameters, to shared memory (read by step 2 of every batch); these loads wait, the state's
-  // are in flight.
+  // The head's gate parameters to shared memory (read by step 2 of every batch).
   float* sBias = reinterpret_cast<float*>(smem + lay.bias);
   float* sAlog = reinterpret_cast<float*>(smem + lay.a_log);
-  for (int d = tid; d < KP; d += nthreads) {
-    sBias[d] = (a.gate_mode != 0 && a.dt_bias.present() && d < a.K) ? a.dt_bias.load(int64_t(hv) * a.K + d) : 0.f;
+#pragma unroll
+  for (int i = 0; i < NBIAS; ++i) {
+    const int d = tid + i * nthreads;
+    if (d < KP) sBias[d] = bias_r[i];
   }
-  if (tid == 0) *sAlog = a.A_log.present() ? a.A_log.load(hv) : 0.f;
+  if (tid == 0) *sAlog = alog_r;
 
-  for (int64_t i0 = 0; i0 < len; i0 += tb) {
-    const int nb = static_cast<int>(len - i0 < tb ? len - i0 : tb);
-    if (i0 > 0) {
-      __syncthreads();  // the previous batch's readers are done
-      stage(i0, nb);
-    }
-    commit(nb);
+  // A sequence of one batch (len <= tb, every serving call) prepares its tokens once for all passes; longer ones
+  // stage and prepare every batch again in every pass.
+  const bool multi = len > tb;
+  for (int p = 0; p < passes; ++p) {
+    const int pc0 = p * bv;                                  // the pass's first column within the tile
+    const int wcol0 = col0 + pc0 + warp * kDecodeWarpCols;  // this warp's first value column
+    const Place pl = place_of<L, VK>(a.K, a.V, wcol0, lane);
+    float S[NJ][ND];
+    // The pass's state into registers: its own copies are complete once at most the later passes' groups are in
+    // flight. Without an initial state: zero.
+    auto load_pass = [&]() {
+      if (a.stage_state) {
+        cp_async_wait_pending(passes - 1 - p);
+        if (has_src) load_block_staged<PoolT, VK, KP>(S, src(), pl, sState + size_t(p) * tile_vecs, nthreads);
+      } else if (has_src) {
+        load_block<PoolT, VK, KP>(S, src(), pl, a.initial.vec);
+      }
+      if (!has_src) {
+#pragma unroll
+        for (int jj = 0; jj < NJ; ++jj) {
+#pragma unroll
+          for (int dd = 0; dd < ND; ++dd) S[jj][dd] = 0.f;
+        }
+      }
+    };
+    if (len <= 0) load_pass();  // an empty sequence: its final state is its initial state
+    for (int i0 = 0; i0 < len; i0 += tb) {
+      const int nb = static_cast<int>(len - i0 < tb ? len - i0 : tb);
+      if (p == 0 || multi) {
+        if (p > 0 || i0 > 0) {
+          __syncthreads();  // the previous batch's readers are done
+          stage(i0, nb);
+          commit(nb, 0);
+        } else {
+          commit(nb, state_groups);
+        }
 
-    // 2. Per token, one warp each for (a) the L2 norms and q.k and (b) the gate, v and the beta activation.
-    //    A warp reads its raw values into registers before widening them in place (__syncwarp between).
-    for (int task = warp; task < 2 * nb; task += nw) {
-      const int tt = task >> 1;
-      if ((task & 1) == 0) {
-        float* q = sQ + tt * KP;
-        float* k = sK + tt * KP;
-        const char* rq = reinterpret_cast<const char*>(q) + (4 - es) * KP;
-        const char* rk = reinterpret_cast<const char*>(k) + (4 - es) * KP;
-        float xq[KL], xk[KL];
-        float sq = 0.f, sk = 0.f, qk = 0.f;
+        // 2. Per token, one warp each for (a) the L2 norms and q.k and (b) the gate, v and the beta activation.
+        //    A warp reads its raw values into registers before widening them in place (__syncwarp between).
+        for (int task = warp; task < 2 * nb; task += nw) {
+          const int tt = task >> 1;
+          if ((task & 1) == 0) {
+            float* q = sQ + tt * KP;
+            float* k = sK + tt * KP;
+            const char* rq = reinterpret_cast<const char*>(q) + (4 - es) * KP;
+            const char* rk = reinterpret_cast<const char*>(k) + (4 - es) * KP;
+            float xq[KL], xk[KL];
+            float sq = 0.f, sk = 0.f, qk = 0.f;
 #pragma unroll
-        for (int i = 0; i < KL; ++i) {
-          xq[i] = raw_at(rq, in_dt, lane + 32 * i);
-          xk[i] = raw_at(rk, in_dt, lane + 32 * i);
-          sq = fmaf(xq[i], xq[i], sq);
-          sk = fmaf(xk[i], xk[i], sk);
-          qk = fmaf(xq[i], xk[i], qk);
-        }
+            for (int i = 0; i < KL; ++i) {
+              xq[i] = raw_at(rq, in_dt, lane + 32 * i);
+              xk[i] = raw_at(rk, in_dt, lane + 32 * i);
+              sq = fmaf(xq[i], xq[i], sq);
+              sk = fmaf(xk[i], xk[i], sk);
+              qk = fmaf(xq[i], xk[i], qk);
+            }
 #pragma unroll
-        for (int m = 16; m > 0; m >>= 1) {
-          sq += __shfl_xor_sync(0xffffffffu, sq, m);
-          sk += __shfl_xor_sync(0xffffffffu, sk, m);
-          qk += __shfl_xor_sync(0xffffffffu, qk, m);
-        }
-        const float eps = static_cast<float>(math::kL2NormEps);
-        const float nq = a.l2norm ? 1.f / sqrtf(sq + eps) : 1.f;
-        const float nk = a.l2norm ? 1.f / sqrtf(sk + eps) : 1.f;
-        const float qs = nq * a.scale;
-        __syncwarp();  // every lane has read its raw values
+            for (int m = 16; m > 0; m >>= 1) {
+              sq += __shfl_xor_sync(0xffffffffu, sq, m);
+              sk += __shfl_xor_sync(0xffffffffu, sk, m);
+              qk += __shfl_xor_sync(0xffffffffu, qk, m);
+            }
+            const float eps = static_cast<float>(math::kL2NormEps);
+            const float nq = a.l2norm ? rsqrtf(sq + eps) : 1.f;
+            const float nk = a.l2norm ? rsqrtf(sk + eps) : 1.f;
+            const float qs = nq * a.scale;
+            __syncwarp();  // every lane has read its raw values
 #pragma unroll
-        for (int i = 0; i < KL; ++i) {
-          q[lane + 32 * i] = xq[i] * qs;
-          k[lane + 32 * i] = xk[i] * nk;
-        }
-        if (lane == 0) sQK[tt] = qk * qs * nk;
-      } else {
-        float* g = sA + tt * KP;
-        const char* rg = reinterpret_cast<const char*>(g) + (4 - es) * KP;
-        float x[KL];
+            for (int i = 0; i < KL; ++i) {
+              q[lane + 32 * i] = xq[i] * qs;
+              k[lane + 32 * i] = xk[i] * nk;
+            }
+            if (lane == 0) sQK[tt] = qk * qs * nk;
+          } else {
+            float* g = sA + tt * KP;
+            const char* rg = reinterpret_cast<const char*>(g) + (4 - es) * KP;
+            float x[KL];
 #pragma unroll
-        for (int i = 0; i < KL; ++i) x[i] = raw_at(rg, in_dt, lane + 32 * i);
-        float* v = sV + tt * bv;
-        float* bt = sB + tt * bv;
-        const int c = lane < bv ? lane : bv - 1;  // bv <= 32: one column per lane
-        const float xv = raw_at(reinterpret_cast<const char*>(v) + (4 - es) * bv, in_dt, c);
-        const float xb = a.beta_cols ? raw_at(reinterpret_cast<const char*>(bt) + (4 - bes) * bv, a.beta.dtype, c) : bt[0];
-        __syncwarp();
+            for (int i = 0; i < KL; ++i) x[i] = raw_at(rg, in_dt, lane + 32 * i);
+            const DecodeGate gate(a.gate_mode, *sAlog, a.A_log.present(), a.lower_bound);
+            __syncwarp();
 #pragma unroll
-        for (int i = 0; i < KL; ++i) {
-          const int d = lane + 32 * i;
-          float decay = 0.f;  // keys past K hold zero state; any finite factor works
-          if (d < a.K) {
-            float y = x[i];
-            if (a.gate_mode != 0) y = math::gate_value<float>(a.gate_mode, y + sBias[d], *sAlog, a.A_log.present(), a.lower_bound);
-            decay = expf(y);
+            for (int i = 0; i < KL; ++i) {
+              const int d = lane + 32 * i;
+              // keys past K hold zero state; any finite factor works
+              g[d] = d < a.K ? fast_exp2(gate.log2_gate(a.gate_mode != 0 ? x[i] + sBias[d] : x[i])) : 0.f;
+            }
+            // v and beta of the tile's columns (the raw rows are other memory than the gate's).
+            float* v = sV + tt * bvt;
+            float* bt = sB + tt * bvt;
+            const char* rv = reinterpret_cast<const char*>(v) + (4 - es) * bvt;
+            const char* rb = reinterpret_cast<const char*>(bt) + (4 - bes) * bvt;
+            float xv[MC], xb[MC];
+#pragma unroll
+            for (int i = 0; i < MC; ++i) {
+              const int c = lane + 32 * i;
+              xv[i] = xb[i] = 0.f;
+              if (c < bvt) {
+                xv[i] = raw_at(rv, in_dt, c);
+                xb[i] = a.beta_cols ? raw_at(rb, a.beta.dtype, c) : bt[0];
+              }
+            }
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < MC; ++i) {
+              const int c = lane + 32 * i;
+              if (c < bvt) {
+                v[c] = xv[i];
+                bt[c] = fast_beta(xb[i], a.beta_sigmoid, a.neg_eigval);
+              }
+            }
           }
-          g[d] = decay;
         }
-        if (lane < bv) {
-          v[lane] = xv;
-          bt[lane] = math::beta_value<float>(xb, a.beta_sigmoid, a.neg_eigval);
-        }
+        __syncthreads();
       }
-    }
-    __syncthreads();
 
-    // 3. The tokens, state in registers.
-    for (int tt = 0; tt < nb; ++tt) {
-      const float* q = sQ + tt * KP;
-      const float* k = sK + tt * KP;
-      const float* g = sA + tt * KP;
-      float pk[NJ], pq[NJ];
+      if (i0 == 0) load_pass();  // after the first preparation, which the state's copies overlap
+
+      // 3. The tokens, state in registers.
+      for (int tt = 0; tt < nb; ++tt) {
+        const float* q = sQ + tt * KP;
+        const float* k = sK + tt * KP;
+        const float* g = sA + tt * KP;
+        float pk[NJ], pq[NJ];
 #pragma unroll
-      for (int jj = 0; jj < NJ; ++jj) pk[jj] = pq[jj] = 0.f;
+        for (int jj = 0; jj < NJ; ++jj) pk[jj] = pq[jj] = 0.f;
 #pragma unroll
-      for (int dd = 0; dd < ND; dd += GRP) {
-        const int d = key_of<L, VK>(dd, lane);
-        float gv[GRP], kv[GRP], qv[GRP];
-        load_keys<GRP>(g + d, gv);
-        load_keys<GRP>(k + d, kv);
-        load_keys<GRP>(q + d, qv);
+        for (int dd = 0; dd < ND; dd += GRP) {
+          const int d = key_of<L, VK>(dd, lane);
+          float gv[GRP], kv[GRP], qv[GRP];
+          load_keys<GRP>(g + d, gv);
+          load_keys<GRP>(k + d, kv);
+          load_keys<GRP>(q + d, qv);
 #pragma unroll
-        for (int i = 0; i < GRP; ++i) {
+          for (int i = 0; i < GRP; ++i) {
 #pragma unroll
-          for (int jj = 0; jj < NJ; ++jj) {
-            const float s = S[jj][dd + i] * gv[i];
-            S[jj][dd + i] = s;
-            pk[jj] = fmaf(kv[i], s, pk[jj]);
-            pq[jj] = fmaf(qv[i], s, pq[jj]);
+            for (int jj = 0; jj < NJ; ++jj) {
+              const float s = S[jj][dd + i] * gv[i];
+              S[jj][dd + i] = s;
+              pk[jj] = fmaf(kv[i], s, pk[jj]);
+              pq[jj] = fmaf(qv[i], s, pq[jj]);
+            }
           }
         }
-      }
 #pragma unroll
-      for (int jj = 0; jj < NJ; ++jj) {
-        pk[jj] = column_sum<L, VK>(pk[jj]);
-        pq[jj] = column_sum<L, VK>(pq[jj]);
-      }
-      const int64_t s = t0 + i0 + tt;
-      const float qk = sQK[tt];
-      // After the butterfly every lane of a column group holds the sums; the group's first lane stores o.
-      const bool leader = VK ? (lane & 7) == 0 : lane < L::LV;
-      const int64_t orow = b * a.out_sb + s * a.out_st + int64_t(hv) * a.out_sh + col0;
-      float e[NJ];
+        for (int jj = 0; jj < NJ; ++jj) {
+          pk[jj] = column_sum<L, VK>(pk[jj]);
+          pq[jj] = column_sum<L, VK>(pq[jj]);
+        }
+        const int64_t s = int64_t(t0) + i0 + tt;
+        const float qk = sQK[tt];
+        // After the butterfly every lane of a column group holds the sums; the group's first lane stores o.
+        const bool leader = VK ? (lane & 7) == 0 : lane < L::LV;
+        const int64_t orow = int64_t(b) * a.out_sb + s * a.out_st + int64_t(hv) * a.out_sh + col0;
+        float e[NJ];
 #pragma unroll
-      for (int jj = 0; jj < NJ; ++jj) {
-        const int cl = warp * kDecodeWarpCols + col_of<L, VK>(jj, lane);  // column within the CTA tile
-        e[jj] = sB[tt * bv + cl] * (sV[tt * bv + cl] - pk[jj]);
-        if (leader && col0 + cl < a.V) a.out.store(orow + cl, fmaf(qk, e[jj], pq[jj]));
-      }
+        for (int jj = 0; jj < NJ; ++jj) {
+          const int cl = pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane);  // column within the CTA tile
+          e[jj] = sB[tt * bvt + cl] * (sV[tt * bvt + cl] - pk[jj]);
+          if (leader && col0 + cl < a.V) a.out.store(orow + cl, fmaf(qk, e[jj], pq[jj]));
+        }
 #pragma unroll
-      for (int dd = 0; dd < ND; dd += GRP) {
-        float kv[GRP];
-        load_keys<GRP>(k + key_of<L, VK>(dd, lane), kv);
+        for (int dd = 0; dd < ND; dd += GRP) {
+          float kv[GRP];
+          load_keys<GRP>(k + key_of<L, VK>(dd, lane), kv);
 #pragma unroll
-        for (int i = 0; i < GRP; ++i) {
+          for (int i = 0; i < GRP; ++i) {
 #pragma unroll
-          for (int jj = 0; jj < NJ; ++jj) S[jj][dd + i] = fmaf(kv[i], e[jj], S[jj][dd + i]);
+            for (int jj = 0; jj < NJ; ++jj) S[jj][dd + i] = fmaf(kv[i], e[jj], S[jj][dd + i]);
+          }
+        }
+        if (a.token_states.present()) {
+          store_block<L, VK>(S, a.token_states, a.token_states.block(int64_t(b) * a.T + s, hv), pl);
+        }
+        if (per_token) {
+          const int w = sSlot[tt];
+          if (w >= 0) store_block<L, VK>(S, a.final_state, a.final_state.block(w, hv), pl);
         }
       }
-      if (a.token_states.present()) {
-        store_block<L, VK>(S, a.token_states, a.token_states.block(b * a.T + s, hv), pl);
-      }
-      if (per_token) {
-        const int w = sSlot[tt];
-        if (w >= 0) store_block<L, VK>(S, a.final_state, a.final_state.block(w, hv), pl);
-      }
     }
+    if (wslot >= 0) store_block<L, VK>(S, a.final_state, a.final_state.block(wslot, hv), pl);
   }
-  if (wslot >= 0) store_block<L, VK>(S, a.final_state, a.final_state.block(wslot, hv), pl);
 }
 
 }  // namespace kdakit::cuda
