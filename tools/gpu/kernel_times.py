@@ -1,6 +1,10 @@
-"""Per-kernel GPU times (torch.profiler) of kdakit and FLA on one benchmark row: where the time goes.
+"""Per-kernel GPU times (torch.profiler) of kdakit and FLA on benchmark rows: where the time goes, and how much of a
+row's benchmark time is the kernels themselves (the rest is launch latency or host overhead).
 
     python3 tools/gpu/kernel_times.py [row name substring] [...]
+
+Forward rows are named as in `kdakit.bench.FORWARD_SHAPES`, decode rows as in `kdakit.bench.decode_shapes()`
+(e.g. "decode T1 N1 H16 fp32").
 """
 import sys
 
@@ -9,27 +13,47 @@ from torch.profiler import ProfilerActivity, profile
 
 from kdakit import bench
 
-names = sys.argv[1:] or ["B1 T8192 H64"]
-fla = bench.fla_runner()
-for name, B, T, H, HV, lens in bench.FORWARD_SHAPES:
-    if not any(s in name for s in names):
-        continue
-    x, _ = bench.forward_inputs(B, T, H, HV, lens)
-    for label, fn in (("kdakit", bench.run_kdakit), ("FLA", fla)):
-        if fn is None:
-            continue
-        with torch.inference_mode():
-            for _ in range(3):
+REPS = 5
+
+
+def report(name, label, fn, x):
+    with torch.inference_mode():
+        for _ in range(3):
+            fn(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(REPS):
                 fn(x)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    fn(x)
-                torch.cuda.synchronize()
-        print(f"== {name}: {label}")
-        rows = {}
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                rows.setdefault(e.name, []).append(e.device_time)
-        for k, v in sorted(rows.items(), key=lambda kv: -sum(kv[1])):
-            print(f"  {sum(v) / 5 / 1e3:8.3f} ms/call  {len(v) // 5:3d}x  {k[:110]}")
+    print(f"== {name}: {label}")
+    rows = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            rows.setdefault(e.name, []).append(e.device_time)
+    total = 0.0
+    for k, v in sorted(rows.items(), key=lambda kv: -sum(kv[1])):
+        total += sum(v) / REPS
+        print(f"  {sum(v) / REPS / 1e3:8.3f} ms/call  {len(v) // REPS:3d}x  {k[:110]}")
+    print(f"  {total / 1e3:8.3f} ms/call  kernels in all")
+
+
+def main(names):
+    names = names or ["B1 T8192 H64"]
+    fla = bench.fla_runner()
+    for name, B, T, H, HV, lens in bench.FORWARD_SHAPES:
+        if any(s in name for s in names):
+            x, _ = bench.forward_inputs(B, T, H, HV, lens)
+            for label, fn in (("kdakit", bench.run_kdakit), ("FLA", fla)):
+                if fn is not None:
+                    report(name, label, fn, x)
+    fla_decode = bench.fla_decode_runner()
+    for name, N, T, H, HV, pool_dtype in bench.decode_shapes():
+        if any(s in name for s in names):
+            x, _ = bench.decode_inputs(N, T, H, HV, pool_dtype)
+            for label, fn in (("kdakit", bench.run_kdakit_decode), ("FLA", fla_decode)):
+                if fn is not None:
+                    report(name, label, fn, x)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
