@@ -8,19 +8,9 @@ row=${2:-B1 T8192 H64}
 lines=${3:-40}
 OUT=${OUT:-/tmp/kdakit-out}
 mkdir -p "$OUT"
-cat > /tmp/kdakit_ncu_case.py <<PY
-import torch
-from kdakit import bench
-for name, B, T, H, HV, lens in bench.FORWARD_SHAPES:
-    if "$row" in name:
-        x, _ = bench.forward_inputs(B, T, H, HV, lens)
-        with torch.inference_mode():
-            bench.run_kdakit(x)
-            torch.cuda.synchronize()
-PY
 rep="$OUT/ncu_${kernel}"
 ncu --clock-control none -k regex:"$kernel" -c 1 --section SourceCounters --section WarpStateStats \
-    --import-source yes -f -o "$rep" python3 /tmp/kdakit_ncu_case.py >"$OUT/ncu_${kernel}.log" 2>&1 || tail -5 "$OUT/ncu_${kernel}.log"
+    --import-source yes -f -o "$rep" python3 tools/gpu/ncu_case.py "$row" >"$OUT/ncu_${kernel}.log" 2>&1 || tail -5 "$OUT/ncu_${kernel}.log"
 # SASS with per-instruction metrics, and the same interleaved with the CUDA source lines (for mapping offline).
 ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_${kernel}_sass.csv" 2>&1
 ncu -i "$rep.ncu-rep" --page source --csv --print-source cuda,sass >"$OUT/ncu_${kernel}_cuda_sass.csv" 2>&1
