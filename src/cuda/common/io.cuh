@@ -49,6 +49,28 @@ struct DynPtr {
   }
 };
 
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ double from_float<double>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// Calls f(T* p) with T the storage type of d's dtype: one branch per call site instead of one per element.
+template <typename F>
+__device__ __forceinline__ void with_typed(const DynPtr& d, F&& f) {
+  switch (d.dtype) {
+    case DType::kBFloat16: f(static_cast<__nv_bfloat16*>(d.p)); break;
+    case DType::kFloat16: f(static_cast<__half*>(d.p)); break;
+    case DType::kFloat64: f(static_cast<double*>(d.p)); break;
+    default: f(static_cast<float*>(d.p));
+  }
+}
+
 // A state tensor [P,HV,K,V] (or v-first [P,HV,V,K]) with dense per-head blocks.
 struct StateRef {
   DynPtr ptr;

@@ -207,9 +207,12 @@ struct Operand<float> {
 
 // acc[mt][nt] += A[m0 + 16 mt, k] * B[k, n0 + 8 nt] over k in [k0, k0 + 16 * ksteps), for the first
 // 2 * np_count n-tiles. A_T: A is stored transposed ([K][M]); B_KN: B is stored [K][N] (otherwise [N][K]).
-template <typename Elem, int MT, int NT, bool A_T, bool B_KN>
+// B_LO: B is the sum of two tiles with the same layout, sb (hi) and sb_lo (lo); each A fragment is loaded once and
+// multiplies both (the lo product first).
+template <typename Elem, int MT, int NT, bool A_T, bool B_KN, bool B_LO = false>
 __device__ __forceinline__ void warp_gemm(FragC (&acc)[MT][NT], const Elem* sa, int lda, int m0, const Elem* sb,
-                                          int ldb, int n0, int k0, int ksteps, int np_count = NT > 1 ? NT / 2 : 1) {
+                                          int ldb, int n0, int k0, int ksteps, int np_count = NT > 1 ? NT / 2 : 1,
+                                          const Elem* sb_lo = nullptr) {
   using Op = Operand<Elem>;
   static_assert(NT == 1 || NT % 2 == 0, "n-tiles come in pairs, or alone");
   for (int ks = 0; ks < ksteps; ++ks) {
@@ -222,6 +225,12 @@ __device__ __forceinline__ void warp_gemm(FragC (&acc)[MT][NT], const Elem* sa, 
     }
     if constexpr (NT == 1) {
       FragB b[Op::kSplit];
+      if constexpr (B_LO) {
+        if constexpr (B_KN) Op::load_b1_kn(b, sb_lo, ldb, k, n0);
+        else Op::load_b1_nk(b, sb_lo, ldb, k, n0);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) Op::mma(acc[mt][0], a[mt], b);
+      }
       if constexpr (B_KN) Op::load_b1_kn(b, sb, ldb, k, n0);
       else Op::load_b1_nk(b, sb, ldb, k, n0);
 #pragma unroll
@@ -231,6 +240,15 @@ __device__ __forceinline__ void warp_gemm(FragC (&acc)[MT][NT], const Elem* sa, 
       for (int np = 0; np < NT / 2; ++np) {
         if (np >= np_count) break;
         FragB b[2][Op::kSplit];
+        if constexpr (B_LO) {
+          if constexpr (B_KN) Op::load_b_kn(b, sb_lo, ldb, k, n0 + 16 * np);
+          else Op::load_b_nk(b, sb_lo, ldb, k, n0 + 16 * np);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            Op::mma(acc[mt][2 * np], a[mt], b[0]);
+            Op::mma(acc[mt][2 * np + 1], a[mt], b[1]);
+          }
+        }
         if constexpr (B_KN) Op::load_b_kn(b, sb, ldb, k, n0 + 16 * np);
         else Op::load_b_nk(b, sb, ldb, k, n0 + 16 * np);
 #pragma unroll

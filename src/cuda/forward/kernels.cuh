@@ -698,12 +698,13 @@ __global__ void __launch_bounds__(kRecurrenceThreads) recurrence_kernel(const Fo
     for (int i = 0; i < NTV; ++i) { vn[0][i].zero(); o[0][i].zero(); }
     const bool rows_here = 16 * w4 < C;
     if (rows_here) {
-      if constexpr (L::SPLIT_S) {  // small terms first
-        warp_gemm<Elem, 1, NTV, false, true>(vn, t.w, L::LDK, 16 * w4, sSlo + cb, L::LDB, 0, 0, KP / 16);
-        if constexpr (!L::ONE_TILE) warp_gemm<Elem, 1, NTV, false, true>(o, t.q, L::LDK, 16 * w4, sSlo + cb, L::LDB, 0, 0, KP / 16);
+      constexpr int NP = NTV > 1 ? NTV / 2 : 1;
+      warp_gemm<Elem, 1, NTV, false, true, L::SPLIT_S>(vn, t.w, L::LDK, 16 * w4, sS + cb, L::LDB, 0, 0, KP / 16, NP,
+                                                       sSlo + cb);
+      if constexpr (!L::ONE_TILE) {
+        warp_gemm<Elem, 1, NTV, false, true, L::SPLIT_S>(o, t.q, L::LDK, 16 * w4, sS + cb, L::LDB, 0, 0, KP / 16, NP,
+                                                         sSlo + cb);
       }
-      warp_gemm<Elem, 1, NTV, false, true>(vn, t.w, L::LDK, 16 * w4, sS + cb, L::LDB, 0, 0, KP / 16);
-      if constexpr (!L::ONE_TILE) warp_gemm<Elem, 1, NTV, false, true>(o, t.q, L::LDK, 16 * w4, sS + cb, L::LDB, 0, 0, KP / 16);
       for_each_acc<1, NTV>([&](int, int nt, int e, int row, int col) {
         if ((e & 1) == 0) {
           const int r = 16 * w4 + row, c = cb + col;
@@ -720,12 +721,13 @@ __global__ void __launch_bounds__(kRecurrenceThreads) recurrence_kernel(const Fo
     }
     if (rows_here) {
       warp_gemm<Elem, 1, NTV, false, true>(o, t.a, L::LDA, 16 * w4, sVn + cb, L::LDB, 0, 0, w4 + 1);
-      for_each_acc<1, NTV>([&](int, int nt, int e, int row, int col) {
-        const int r = 16 * w4 + row, v = v0 + col;
-        if (r < nrows && v < a.V) {
-          const int64_t tok = t0 + ci * C + r;
-          a.out.store(b * a.out_sb + tok * a.out_st + hv * a.out_sh + v, o[0][nt].x[e]);
-        }
+      const int64_t orow0 = b * a.out_sb + (t0 + ci * C) * a.out_st + hv * a.out_sh;
+      with_typed(a.out, [&](auto* op) {
+        using OutT = std::remove_pointer_t<decltype(op)>;
+        for_each_acc<1, NTV>([&](int, int nt, int e, int row, int col) {
+          const int r = 16 * w4 + row, v = v0 + col;
+          if (r < nrows && v < a.V) op[orow0 + r * a.out_st + v] = from_float<OutT>(o[0][nt].x[e]);
+        });
       });
     }
     // S += kg^T v_new for this warp's state rows and columns.
