@@ -555,16 +555,22 @@ struct RecurrenceLayout {
   }
 };
 
-// 8 warps: warp = (row group w4 in 0..3) + 4 * (column half). Each warp owns 16 chunk rows of v_new and o and
-// KP/4 state rows, for its half of the CTA's BV value columns.
-constexpr int kRecurrenceThreads = 256;
+// Warps: warp = (row group w4 in 0..3) + 4 * (column group). Each warp owns 16 chunk rows of v_new and o and
+// KP/4 state rows, for its column group of the CTA's BV value columns: 16 columns per warp from BV = 32 on (16 warps
+// at BV = 64: the chunk step is a latency chain, and more warps per scheduler hide more of it), 8 at BV = 16.
+template <int BV>
+struct RecurrenceWarps {
+  static constexpr int GROUPS = BV >= 64 ? 4 : 2;
+  static constexpr int THREADS = 128 * GROUPS;
+  static constexpr int COLS = BV / GROUPS;  // columns per warp
+};
 
 template <typename Elem, int KP, int BV>
-__global__ void __launch_bounds__(kRecurrenceThreads) recurrence_kernel(const ForwardArgs a) {
+__global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kernel(const ForwardArgs a) {
   using L = RecurrenceLayout<Elem, KP, BV>;
   using Op = Operand<Elem>;
-  constexpr int NT = kRecurrenceThreads;
-  constexpr int HB = BV / 2;  // columns per warp
+  constexpr int NT = RecurrenceWarps<BV>::THREADS;
+  constexpr int HB = RecurrenceWarps<BV>::COLS;  // columns per warp
   constexpr int MT = KP / 64, NTV = HB / 8, ROWS = KP / 4;
   constexpr int EPC = 16 / sizeof(Elem);  // elements per 16-byte copy
   const int C = a.chunk;
@@ -619,11 +625,13 @@ __global__ void __launch_bounds__(kRecurrenceThreads) recurrence_kernel(const Fo
   auto tile_of = [&](void* ws, int64_t ci) {
     return static_cast<const Elem*>(ws) + ((base + ci) * a.HV + hv) * C * KP;
   };
+  // Copy loops run a compile-time number of steps over the 64-row maximum (unrolled, constant address steps).
   auto copy_tile = [&](Elem* dst, const Elem* src) {  // [C][KP] from the workspace
     constexpr int KC = KP / EPC;
-    for (int e = tid; e < C * KC; e += NT) {
-      const int r = e / KC, c = (e % KC) * EPC;
-      cp_async16(dst + r * L::LDK + c, src + r * KP + c);
+#pragma unroll
+    for (int i = 0; i < (64 * KC + NT - 1) / NT; ++i) {
+      const int e = tid + i * NT, r = e / KC, c = (e % KC) * EPC;
+      if (r < C) cp_async16(dst + r * L::LDK + c, src + r * KP + c);
     }
   };
   // Loads chunk ci into stage st (in ONE_TILE mode only w of the three [C][KP] tiles).
@@ -637,9 +645,10 @@ __global__ void __launch_bounds__(kRecurrenceThreads) recurrence_kernel(const Fo
     }
     const Elem* gu = static_cast<const Elem*>(a.ws_u) + tile * C * a.VP + vt * BV;
     constexpr int BC = BV / EPC;
-    for (int e = tid; e < C * BC; e += NT) {
-      const int r = e / BC, c = (e % BC) * EPC;
-      cp_async16(t.u + r * L::LDB + c, gu + r * a.VP + c);
+#pragma unroll
+    for (int i = 0; i < (64 * BC + NT - 1) / NT; ++i) {
+      const int e = tid + i * NT, r = e / BC, c = (e % BC) * EPC;
+      if (r < C) cp_async16(t.u + r * L::LDB + c, gu + r * a.VP + c);
     }
     const Elem* ga = static_cast<const Elem*>(a.ws_a) + tile * C * C;
     const int AC = C / EPC;
@@ -671,12 +680,17 @@ __global__ void __launch_bounds__(kRecurrenceThreads) recurrence_kernel(const Fo
     // The chunk-start state: to the intermediate states, to shared memory (B operand), then decayed.
     const bool inter = a.inter.present();
     const int64_t inter_base = a.cu_seqlens.present() ? (base + ci) * a.inter_sc : b * a.inter_sb + ci * a.inter_sc;
+    if (inter) {
+      for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
+        const int d = w4 * ROWS + row, v = v0 + col;
+        if (d < a.K && v < a.V) {
+          a.inter.store(inter_base + hv * a.inter_sh + (a.vk ? int64_t(v) * a.K + d : int64_t(d) * a.V + v),
+                        S[mt][nt].x[e]);
+        }
+      });
+    }
     for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
-      const int d = w4 * ROWS + row, v = v0 + col;
-      if (inter && d < a.K && v < a.V) {
-        a.inter.store(inter_base + hv * a.inter_sh + (a.vk ? int64_t(v) * a.K + d : int64_t(d) * a.V + v),
-                      S[mt][nt].x[e]);
-      }
+      const int d = w4 * ROWS + row;
       if ((e & 1) == 0) {
         const float x0 = S[mt][nt].x[e], x1 = S[mt][nt].x[e + 1];
         if constexpr (L::SPLIT_S) {
@@ -689,7 +703,17 @@ __global__ void __launch_bounds__(kRecurrenceThreads) recurrence_kernel(const Fo
         }
       }
     });
-    for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int) { S[mt][nt].x[e] *= t.gam[w4 * ROWS + row]; });
+    {
+      // A thread's accumulators cover 2 * MT state rows: load each row's decay once.
+      const int g = (threadIdx.x & 31) >> 2;
+      float gam[MT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        gam[mt][0] = t.gam[w4 * ROWS + 16 * mt + g];
+        gam[mt][1] = t.gam[w4 * ROWS + 16 * mt + g + 8];
+      }
+      for_each_acc<MT, NTV>([&](int mt, int nt, int e, int, int) { S[mt][nt].x[e] *= gam[mt][e >> 1]; });
+    }
     __syncthreads();
 
     // v_new = u - w S and o = qg S for this warp's 16 rows and columns.

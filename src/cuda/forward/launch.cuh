@@ -44,7 +44,7 @@ void launch_recurrence(const ForwardArgs& a, cudaStream_t stream) {
   auto kernel = recurrence_kernel<Elem, KP, BV>;
   set_smem(kernel, L::bytes());
   const int64_t ctas = int64_t(a.N) * a.HV * ((a.V + BV - 1) / BV);
-  kernel<<<static_cast<unsigned>(ctas), kRecurrenceThreads, L::bytes(), stream>>>(a);
+  kernel<<<static_cast<unsigned>(ctas), RecurrenceWarps<BV>::THREADS, L::bytes(), stream>>>(a);
   check_launch("recurrence_kernel");
 }
 
