@@ -160,6 +160,32 @@ int device_count() {
   return n;
 }
 
+namespace {
+
+// The fields ForwardArgs and DecodeArgs share (same names): shapes, gate, scale and activation flags.
+template <typename Args>
+void fill_shared_args(Args& a, const KdaInputs& in, const Problem& pr) {
+  a.A_log = dyn(in.gate.A_log);
+  a.dt_bias = dyn(in.gate.dt_bias);
+  a.gate_mode = static_cast<int>(in.gate.mode);
+  a.lower_bound = in.gate.lower_bound;
+  a.scale = in.scale;
+  a.l2norm = in.qk_l2norm;
+  a.beta_sigmoid = in.beta_sigmoid;
+  a.neg_eigval = in.allow_neg_eigval;
+  a.B = static_cast<int>(pr.B);
+  a.T = static_cast<int>(pr.T);
+  a.H = static_cast<int>(pr.H);
+  a.HV = static_cast<int>(pr.HV);
+  a.K = static_cast<int>(pr.K);
+  a.V = static_cast<int>(pr.V);
+  a.group = static_cast<int>(pr.group);
+  a.N = static_cast<int>(pr.N);
+  a.cu_seqlens = dyn(in.cu_seqlens);
+}
+
+}  // namespace
+
 std::size_t forward_workspace_size(const ForwardParams& p, const detail::Plan& plan) {
   require_cuda_dtypes(p.in);
   return plan_forward_cuda(p, plan).total;
@@ -185,12 +211,7 @@ void forward(const ForwardParams& p, const detail::Plan& plan, void* stream) {
   a.beta_sb = p.in.beta.strides[0];
   a.beta_st = p.in.beta.strides[1];
   a.beta_sh = p.in.beta.strides[2];
-  a.A_log = dyn(p.in.gate.A_log);
-  a.dt_bias = dyn(p.in.gate.dt_bias);
-  a.gate_mode = static_cast<int>(p.in.gate.mode);
-  a.lower_bound = p.in.gate.lower_bound;
-  a.scale = p.in.scale;
-  a.l2norm = p.in.qk_l2norm;
+  fill_shared_args(a, p.in, pr);
   {
     const int64_t epc = 16 / static_cast<int64_t>(dtype_size(p.in.q.dtype));
     auto aligned = [&](const TensorView& t) {
@@ -200,17 +221,6 @@ void forward(const ForwardParams& p, const detail::Plan& plan, void* stream) {
     a.vec_qk = pr.K % epc == 0 && aligned(p.in.q) && aligned(p.in.k);
     a.vec_v = pr.V % epc == 0 && aligned(p.in.v);
   }
-  a.beta_sigmoid = p.in.beta_sigmoid;
-  a.neg_eigval = p.in.allow_neg_eigval;
-  a.B = static_cast<int>(pr.B);
-  a.T = static_cast<int>(pr.T);
-  a.H = static_cast<int>(pr.H);
-  a.HV = static_cast<int>(pr.HV);
-  a.K = static_cast<int>(pr.K);
-  a.V = static_cast<int>(pr.V);
-  a.group = static_cast<int>(pr.group);
-  a.N = static_cast<int>(pr.N);
-  a.cu_seqlens = dyn(p.in.cu_seqlens);
   a.chunk = p.chunk_size;
   a.chunk_offsets = reinterpret_cast<int64_t*>(ws + fp.off_offsets);
   a.num_slots = fp.slots;
@@ -339,23 +349,7 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   a.g = decode_rows(p.in.g);
   a.beta = decode_rows(p.in.beta);
   a.beta_cols = p.in.beta.ndim == 4;
-  a.A_log = dyn(p.in.gate.A_log);
-  a.dt_bias = dyn(p.in.gate.dt_bias);
-  a.gate_mode = static_cast<int>(p.in.gate.mode);
-  a.lower_bound = p.in.gate.lower_bound;
-  a.scale = p.in.scale;
-  a.l2norm = p.in.qk_l2norm;
-  a.beta_sigmoid = p.in.beta_sigmoid;
-  a.neg_eigval = p.in.allow_neg_eigval;
-  a.B = static_cast<int>(pr.B);
-  a.T = static_cast<int>(pr.T);
-  a.H = static_cast<int>(pr.H);
-  a.HV = static_cast<int>(pr.HV);
-  a.K = static_cast<int>(pr.K);
-  a.V = static_cast<int>(pr.V);
-  a.group = static_cast<int>(pr.group);
-  a.N = static_cast<int>(pr.N);
-  a.cu_seqlens = dyn(p.in.cu_seqlens);
+  fill_shared_args(a, p.in, pr);
   if (p.in.cu_seqlens.present()) a.cu_stride = p.in.cu_seqlens.strides[0];
   const TensorView& idx = st.state_indices;
   if (idx.present()) {
