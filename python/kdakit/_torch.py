@@ -7,17 +7,20 @@ import torch
 
 from . import _C
 
-def view(t: Optional[torch.Tensor]):
-    """A kdakit view of a tensor (None: absent)."""
-    if t is None:
-        return _C.TensorView()
-    return _C.view(t.detach())
+# A kdakit view of a tensor (None: absent). torch tensors are read through their attributes in C++ (no DLPack
+# export, no detach: a decode step passes a dozen tensors, and each export cost ~2 us of host time).
+view = _C.view
+
+# The current stream of a CUDA device as an integer: the raw getter when this torch has it (no Stream object).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def stream_of(t: torch.Tensor) -> int:
-    if t.device.type == "cuda":
-        return torch.cuda.current_stream(t.device).cuda_stream
-    return 0
+    if not t.is_cuda:
+        return 0
+    if _raw_stream is not None:
+        return _raw_stream(t.get_device())
+    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 def workspace(nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
@@ -38,22 +41,8 @@ def gate_mode(use_gate_in_kernel: bool, lower_bound: Optional[float]) -> int:
 
 def fill_inputs(inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale: float, gate: int,
                 lower_bound: float, qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool) -> None:
-    inputs.q = view(q)
-    inputs.k = view(k)
-    inputs.v = view(v)
-    inputs.g = view(g)
-    inputs.beta = view(beta)
-    inputs.scale = scale
-    gp = inputs.gate
-    gp.mode = _C.GateMode(gate)
-    gp.A_log = view(A_log)
-    gp.dt_bias = view(dt_bias)
-    gp.lower_bound = lower_bound
-    inputs.qk_l2norm = qk_l2norm
-    inputs.beta_sigmoid = beta_sigmoid
-    inputs.allow_neg_eigval = allow_neg_eigval
-    inputs.cu_seqlens = view(cu_seqlens)
-    inputs.cu_seqlens_host = view(cu_seqlens_cpu)
+    _C.set_inputs(inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale, gate, lower_bound,
+                  qk_l2norm, beta_sigmoid, allow_neg_eigval)
 
 
 def layout(state_v_first: bool):

@@ -157,11 +157,8 @@ def chunk_fwd_into(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_l
     p = _C.ForwardParams()
     fill_inputs(p.inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale, gate, lower_bound,
                 qk_l2norm, beta_sigmoid, allow_neg_eigval)
-    p.state.layout = layout(state_v_first)
-    p.state.final_state = view(final_state)
-    p.state.initial_state = view(final_state if final_is_initial else initial_state)
-    p.state.state_indices = view(state_indices)
-    p.state.has_initial_state = view(has_initial_state)
+    _C.set_state(p.state, state_v_first, final_state if final_is_initial else initial_state, final_state,
+                 state_indices, has_initial_state)
     p.chunk_size = chunk_size
     p.safe_gate = safe_gate
     p.out = view(out)
@@ -190,11 +187,8 @@ def _recurrent_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_
     p = _C.DecodeParams()
     fill_inputs(p.inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, None, scale, gate, lower_bound, qk_l2norm,
                 beta_sigmoid, allow_neg_eigval)
-    p.state.layout = layout(state_v_first)
-    p.state.final_state = view(final_state)
-    p.state.initial_state = view(final_state if final_is_initial else initial_state)
-    p.state.state_indices = view(state_indices)
-    p.state.has_initial_state = view(has_initial_state)
+    _C.set_state(p.state, state_v_first, final_state if final_is_initial else initial_state, final_state,
+                 state_indices, has_initial_state)
     p.num_accepted_tokens = view(num_accepted_tokens)
     p.out = view(out)
     p.token_states = view(token_states)
