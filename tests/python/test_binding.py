@@ -1,4 +1,5 @@
-"""The framework-free binding: numpy arrays through DLPack, no torch import."""
+"""The framework-free binding: numpy arrays through DLPack, no torch import (but for the one test of torch tensor
+views, which skips without torch)."""
 import subprocess
 import sys
 
@@ -105,3 +106,21 @@ def test_errors_are_value_and_assertion_errors():
 def test_count_chunks():
     assert _C.count_chunks([0, 1, 64, 64, 130], 64) == 1 + 1 + 0 + 2
     assert _C.count_chunks([0, 33], 32) == 2
+
+
+def test_torch_tensor_views():
+    """torch tensors are read through their attributes (not DLPack): every field must match the tensor."""
+    torch = pytest.importorskip("torch")
+    base = torch.randn(3, 5, 8, requires_grad=True)  # grad-requiring tensors need no detach
+    for t, dtype in ((base, "float32"), (base.detach().bfloat16()[:, 1:, ::2], "bfloat16"),
+                     (torch.zeros((), dtype=torch.int64), "int64"), (torch.zeros(4, dtype=torch.bool), "bool")):
+        v = _C.view(t)
+        assert v.present and v.dtype == dtype
+        assert v.shape == list(t.shape) and v.strides == list(t.stride()) and v.data_ptr == t.data_ptr()
+    assert not _C.view(None).present
+    with pytest.raises(_C.InvalidArgumentError, match="device meta"):
+        _C.view(torch.zeros(2, device="meta"))
+    with pytest.raises(_C.InvalidArgumentError, match="element type"):
+        _C.view(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="got str"):
+        _C.view("not a tensor")
