@@ -109,7 +109,16 @@ struct ForwardPlan {
   size_t esz = 2;
   int64_t slots = 0;
   size_t off_offsets = 0, off_w = 0, off_qg = 0, off_kg = 0, off_u = 0, off_a = 0, off_gam = 0, total = 0;
+  // Context parallelism (ForwardArgs::seg_target): off when seg_target == 1.
+  int seg_target = 1, seg_min_chunks = 0, seg_ld = 0;
+  int64_t segments = 0;  // segment slots (the sequences without cuts)
+  size_t off_seg_offsets = 0, off_seg = 0;
 };
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+}
 
 ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) {
   const Problem& pr = plan.pr;
@@ -127,8 +136,28 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
   // The recurrence's V tile: the widest that still gives every SM work.
   const int sms = sm_count(pr.device_index);
   auto ctas = [&](int bv) { return pr.N * pr.HV * ((pr.V + bv - 1) / bv); };
-  int bv = fp.cfg.KP <= 128 ? 64 : 32;
+  const int wide = fp.cfg.KP <= 128 ? 64 : 32;
+  int bv = wide;
   while (bv > 16 && ctas(bv) < (3 * sms) / 4) bv /= 2;
+  // Context parallelism for few heads: a sequence of at least 2 * 8192 tokens is cut into up to seg_target segments
+  // of at least 8192 tokens, seg_target = the wide-tile CTAs that one sequence leaves the SMs short of. Both depend on
+  // the head count and the device only, never on the batch (batch invariance). Developer overrides for tests and
+  // tuning: KDAKIT_FORWARD_SEGMENTS (target, 1 = off), KDAKIT_FORWARD_SEGMENT_TOKENS (the 8192).
+  {
+    const int64_t per_seq = pr.HV * ((pr.V + wide - 1) / wide);
+    int target = static_cast<int>(std::min<int64_t>(32, sms / std::max<int64_t>(1, per_seq)));
+    target = env_int("KDAKIT_FORWARD_SEGMENTS", target);
+    const int min_tokens = std::max(1, env_int("KDAKIT_FORWARD_SEGMENT_TOKENS", 8192));
+    const int min_chunks = std::max<int>(1, (min_tokens + p.chunk_size - 1) / p.chunk_size);
+    // Is any sequence long enough? (Fixed length, or known boundaries: exactly; otherwise: possibly.)
+    const int64_t longest = !pr.varlen ? pr.T : (plan.cu_known ? plan.max_len : pr.T);
+    const int64_t longest_chunks = (longest + p.chunk_size - 1) / p.chunk_size;
+    if (target >= 2 && longest_chunks >= 2 * int64_t(min_chunks)) {
+      fp.seg_target = target;
+      fp.seg_min_chunks = min_chunks;
+      bv = wide;  // the segments supply the parallelism; wide tiles do the most work per chunk step
+    }
+  }
   // Developer override for tuning (KDAKIT_FORWARD_BV=16|32|64); the result does not depend on it.
   if (const char* env = std::getenv("KDAKIT_FORWARD_BV")) {
     const int want = std::atoi(env);
@@ -145,6 +174,23 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
   fp.off_u = off;  off = align(off + tiles * C * fp.VP * fp.esz);
   fp.off_a = off;  off = align(off + tiles * C * C * fp.esz);
   fp.off_gam = off; off = align(off + tiles * fp.cfg.KP * 4);
+  fp.segments = pr.N;
+  if (fp.seg_target > 1) {
+    // Segment slots: exact for fixed length; otherwise a bound (a cut sequence of c chunks has at most
+    // c / seg_min_chunks + 1 segments).
+    int64_t per = 0;
+    if (!pr.varlen) {
+      ForwardArgs probe;
+      probe.seg_target = fp.seg_target;
+      probe.seg_min_chunks = fp.seg_min_chunks;
+      fp.segments = pr.N * probe.segments_of((pr.T + C - 1) / C, per);
+    } else {
+      fp.segments = pr.N + fp.slots / fp.seg_min_chunks;
+    }
+    fp.seg_ld = static_cast<int>((pr.V + bv - 1) / bv * bv + fp.cfg.KP);
+    fp.off_seg_offsets = off; off = align(off + 8 * (pr.N + 1));
+    fp.off_seg = off; off = align(off + static_cast<size_t>(fp.segments) * pr.HV * fp.cfg.KP * fp.seg_ld * 4);
+  }
   fp.total = off;
   return fp;
 }
@@ -232,6 +278,14 @@ void forward(const ForwardParams& p, const detail::Plan& plan, void* stream) {
   a.ws_gam = reinterpret_cast<float*>(ws + fp.off_gam);
   a.KP = fp.cfg.KP;
   a.VP = fp.VP;
+  a.num_segments = fp.segments;
+  if (fp.seg_target > 1) {
+    a.seg_target = fp.seg_target;
+    a.seg_min_chunks = fp.seg_min_chunks;
+    a.seg_offsets = reinterpret_cast<int64_t*>(ws + fp.off_seg_offsets);
+    a.ws_seg = reinterpret_cast<float*>(ws + fp.off_seg);
+    a.seg_ld = fp.seg_ld;
+  }
   a.vk = p.state.layout == StateLayout::kVK;
   a.initial = state_ref(p.state.initial_state);
   a.final_state = state_ref(p.state.final_state);

@@ -213,3 +213,75 @@ def test_against_fla(shape):
     assert e_ours <= 4e-3
     assert rel_rms(o, fo) <= e_ours + e_fla + 1e-3, "kdakit and FLA compute different functions"
     assert rel_rms(ht, fht) <= rel_rms(ht, rht) + rel_rms(fht, rht) + 1e-3
+
+
+# Intra-card context parallelism: segments of a long sequence run side by side (scan, merge, recurrence). The
+# overrides make short sequences split: segments of >= 2 chunks, up to `target` of them per sequence.
+def _force_segments(monkeypatch, target=4, tokens=128):
+    monkeypatch.setenv("KDAKIT_FORWARD_SEGMENTS", str(target))
+    monkeypatch.setenv("KDAKIT_FORWARD_SEGMENT_TOKENS", str(tokens))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("K,V,group", [(128, 128, 1), (100, 60, 2), (64, 64, 1), (256, 128, 1)])
+def test_context_parallel_segments(monkeypatch, dtype, K, V, group):
+    _force_segments(monkeypatch)
+    # Sequences of 1..16 chunks: unsplit, split in 2..4 segments, a short last segment, an empty sequence.
+    cu = [0, 1000, 1000, 1005, 1705, 1769, 1898, 2198]
+    x = make(1, 0, 2, 2 * group, K, V, dtype=dtype, cu=cu)
+    o, ht, h = run(x, return_intermediate_states=True, cu_seqlens_cpu=torch.tensor(cu))
+    ro, rht = reference(x)
+    _, _, rh = reference(x, return_intermediate_states=True)
+    tol = TOL[dtype]
+    for name, got, want in (("output", o, ro), ("final state", ht, rht), ("intermediate states", h, rh)):
+        assert torch.isfinite(got).all(), f"{name}: NaN or Inf"
+        err = rel_rms(got, want)
+        assert err <= tol, f"{name}: relative RMS error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_context_parallel_fixed_length_and_pool(monkeypatch, dtype):
+    _force_segments(monkeypatch, target=3)
+    x = make(2, 1100, 2, 4, 128, dtype=dtype, h0=False)
+    pool = torch.randn(5, 4, 128, 128, device="cuda")
+    before = pool.clone()
+    idx = torch.tensor([3, 0], dtype=torch.int32, device="cuda")
+    kw = dict(x["opts"], A_log=x["A_log"], dt_bias=x["dt_bias"])
+    with torch.inference_mode():
+        o, _ = kdakit.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool,
+                                ssm_state_indices=idx, **kw)
+    ro, rht = reference(dict(x, h0=before[[3, 0]]))
+    assert rel_rms(o, ro) <= TOL[dtype]
+    assert rel_rms(pool[3], rht[0]) <= TOL[dtype] and rel_rms(pool[0], rht[1]) <= TOL[dtype]
+    for s in (1, 2, 4):
+        assert torch.equal(pool[s], before[s]), f"slot {s} touched"
+
+
+def test_context_parallel_batch_invariance(monkeypatch):
+    """Cuts depend on a sequence's own length: alone or in a batch, its result is bit-identical."""
+    _force_segments(monkeypatch)
+    x = make(1, 0, 2, 4, 128, cu=[0, 30, 1030, 1095])
+    o1, h1 = run(x)
+    o2, h2 = run(x)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2), "two runs differ"
+    s = slice(30, 1030)
+    alone = dict(x, q=x["q"][:, s], k=x["k"][:, s], v=x["v"][:, s], g=x["g"][:, s], beta=x["beta"][:, s],
+                 h0=x["h0"][1:2], cu=None)
+    o3, h3 = run(alone)
+    assert torch.equal(o3, o1[:, s]) and torch.equal(h3[0], h1[1]), "a sequence's result depends on its batch"
+
+
+def test_recurrence_tile_width_does_not_change_bits(monkeypatch):
+    """Batch invariance relies on it: the V tile of the recurrence (chosen from the batch) changes no bit."""
+    x = make(1, 0, 2, 4, 128, cu=[0, 300, 301, 900])
+    results = []
+    for bv in ("16", "32", "64"):
+        monkeypatch.setenv("KDAKIT_FORWARD_BV", bv)
+        results.append(run(x))
+    for o, h in results[1:]:
+        assert torch.equal(o, results[0][0]) and torch.equal(h, results[0][1])
+
+
+def test_context_parallel_by_default_for_few_heads():
+    # 2 v-heads, 16384 tokens: cut by default (two segments of 8192 tokens).
+    check(make(1, 16384, 2, 2, 128))

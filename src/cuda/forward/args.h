@@ -47,6 +47,29 @@ struct ForwardArgs {
   float* ws_gam = nullptr;  // [slot][HV][KP]
   int KP = 64, VP = 64;
 
+  // Intra-card context parallelism (SPEC §7.5 algebra): a long sequence is cut into chunk-aligned segments whose
+  // recurrences run side by side. A scan gives each segment (but the last) its end state from zero, E, and its
+  // transition M (K x K); a merge chains S_start(s+1) = M_s S_start(s) + E_s; then every segment runs the ordinary
+  // recurrence from its start state. Whether and how a sequence is cut depends on its own length only (and on
+  // seg_target, fixed by the head count and the device), so a sequence's result does not depend on its batch.
+  int seg_target = 1;        // segments a long sequence is cut into (1: none)
+  int seg_min_chunks = 0;    // a sequence is cut only if it has >= 2 seg_min_chunks chunks; segments are >= this
+  int64_t* seg_offsets = nullptr;  // [N+1] segments of the sequences before n (with seg_target > 1)
+  int64_t num_segments = 0;  // segment slots of the grid and of ws_seg (an upper bound of the real segments)
+  float* ws_seg = nullptr;   // [segment][HV][KP][seg_ld] fp32: columns [0, VT*BV) E or a start state, then M
+  int seg_ld = 0;
+
+  // Sequence n's segments: their count, and the chunks of each but the last (nch: the sequence's chunks).
+  __host__ __device__ __forceinline__ int64_t segments_of(int64_t nch, int64_t& per) const {
+    if (seg_target <= 1 || nch < 2 * int64_t(seg_min_chunks)) {
+      per = nch;
+      return 1;
+    }
+    per = (nch + seg_target - 1) / seg_target;
+    if (per < seg_min_chunks) per = seg_min_chunks;
+    return (nch + per - 1) / per;
+  }
+
   // States.
   bool vk = false;
   StateRef initial, final_state;

@@ -565,7 +565,30 @@ struct RecurrenceWarps {
   static constexpr int COLS = BV / GROUPS;  // columns per warp
 };
 
-template <typename Elem, int KP, int BV>
+// Finds the sequence of segment slot g (seg_offsets[n] <= g < seg_offsets[n+1]); false past the last segment.
+__device__ __forceinline__ bool segment_sequence(const ForwardArgs& a, int64_t g, int& n, int64_t& s) {
+  if (a.seg_offsets == nullptr) {
+    n = static_cast<int>(g);
+    s = 0;
+    return true;
+  }
+  if (g >= a.seg_offsets[a.N]) return false;
+  int lo = 0, hi = a.N;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (a.seg_offsets[mid] <= g) lo = mid; else hi = mid;
+  }
+  n = lo;
+  s = g - a.seg_offsets[lo];
+  return true;
+}
+
+// SCAN = false: the recurrence of one segment (the whole sequence unless it is cut) for one V tile: outputs,
+// intermediate states, and the final state from the last segment; the start state is the caller's (segment 0) or the
+// merged one. SCAN = true: the context-parallel pre-scan of a segment that is not a sequence's last: no outputs; the
+// value tiles run from zero (segment 0: from the caller's state) and give E; the K / BV extra "transition" tiles
+// run the same recurrence with u = 0 from the identity and give M. Both end in ws_seg.
+template <typename Elem, int KP, int BV, bool SCAN>
 __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kernel(const ForwardArgs a) {
   using L = RecurrenceLayout<Elem, KP, BV>;
   using Op = Operand<Elem>;
@@ -575,17 +598,31 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
   constexpr int EPC = 16 / sizeof(Elem);  // elements per 16-byte copy
   const int C = a.chunk;
   const int VT = (a.V + BV - 1) / BV;
+  const int TILES = SCAN ? VT + KP / BV : VT;
   int64_t idx = blockIdx.x;
-  const int vt = static_cast<int>(idx % VT);
-  idx /= VT;
+  const int tile = static_cast<int>(idx % TILES);
+  idx /= TILES;
   const int hv = static_cast<int>(idx % a.HV);
-  const int n = static_cast<int>(idx / a.HV);
+  const int64_t gseg = idx / a.HV;  // segment slot
+  int n;
+  int64_t seg;
+  if (!segment_sequence(a, gseg, n, seg)) return;
   int64_t b, t0, len;
   a.sequence(n, b, t0, len);
-  const int64_t nch = (len + C - 1) / C;
+  const int64_t nch_all = (len + C - 1) / C;
+  int64_t per;
+  const int64_t nseg = a.segments_of(nch_all, per);
+  const int64_t c_begin = seg * per, c_end = min(nch_all, c_begin + per);  // this segment's chunks
+  const bool trans = SCAN && tile >= VT;  // transition columns (keys), SCAN only
+  if (SCAN && (seg == nseg - 1 || (trans && seg == 0))) return;  // no scan of last segments; seg 0 needs no M
+  const int vt = trans ? tile - VT : tile;
+  const int ncols = trans ? a.K : a.V;  // valid columns of this tile's kind
   const int64_t base = a.chunk_offsets[n];
   const int tid = threadIdx.x, warp = tid >> 5, w4 = warp & 3, cb = (warp >> 2) * HB;
-  const int v0 = vt * BV + cb;  // this warp's first value column
+  const int v0 = vt * BV + cb;  // this warp's first value (or key, for transition tiles) column
+  // ws_seg rows of a segment slot: columns [0, VT*BV) values, then the K transition columns.
+  auto seg_row = [&](int64_t g, int d) { return a.ws_seg + ((g * a.HV + hv) * KP + d) * a.seg_ld; };
+  const int seg_col0 = trans ? VT * BV : 0;
 
   extern __shared__ __align__(16) char smem_raw[];
   struct Stage {
@@ -610,15 +647,22 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
   // Slots: read initial_state[slot] and write final_state[slot]; -1 neither.
   int64_t slot = n;
   if (a.state_indices.present()) slot = a.state_indices.load_int(n);
-  const bool read = a.initial.ptr.present() && slot >= 0 &&
+  const bool read = seg == 0 && a.initial.ptr.present() && slot >= 0 &&
                     (!a.has_initial_state.present() || a.has_initial_state.load_int(n) != 0);
-  const bool write = a.final_state.ptr.present() && slot >= 0;
+  const bool write = !SCAN && c_end == nch_all && a.final_state.ptr.present() && slot >= 0;
 
+  // The start state: the caller's (segment 0), the merged one (later segments: S_start(s) sits in slot g - 1), zero
+  // (scan value tiles of later segments) or the identity (transition tiles).
   FragC S[MT][NTV];
   for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
     const int d = w4 * ROWS + row, v = v0 + col;
     float x = 0.f;
-    if (read && d < a.K && v < a.V) x = a.initial.ptr.load(a.initial.offset(slot, hv, d, v, a.K, a.V, a.vk));
+    if (trans) {
+      x = d == v && d < a.K ? 1.f : 0.f;
+    } else if (d < a.K && v < a.V) {
+      if (read) x = a.initial.ptr.load(a.initial.offset(slot, hv, d, v, a.K, a.V, a.vk));
+      else if (!SCAN && seg > 0) x = seg_row(gseg - 1, d)[v];
+    }
     S[mt][nt].x[e] = x;
   });
 
@@ -637,26 +681,30 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
   // Loads chunk ci into stage st (in ONE_TILE mode only w of the three [C][KP] tiles).
   auto issue = [&](int64_t ci, int st) {
     const Stage t = stage(st);
-    const int64_t tile = (base + ci) * a.HV + hv;
+    const int64_t wtile = (base + ci) * a.HV + hv;
     copy_tile(t.w, tile_of(a.ws_w, ci));
     if constexpr (!L::ONE_TILE) {
-      copy_tile(t.q, tile_of(a.ws_qg, ci));
+      if (!SCAN) copy_tile(t.q, tile_of(a.ws_qg, ci));
       copy_tile(t.k, tile_of(a.ws_kg, ci));
     }
-    const Elem* gu = static_cast<const Elem*>(a.ws_u) + tile * C * a.VP + vt * BV;
-    constexpr int BC = BV / EPC;
+    if (!trans) {  // transition columns have u = 0
+      const Elem* gu = static_cast<const Elem*>(a.ws_u) + wtile * C * a.VP + vt * BV;
+      constexpr int BC = BV / EPC;
 #pragma unroll
-    for (int i = 0; i < (64 * BC + NT - 1) / NT; ++i) {
-      const int e = tid + i * NT, r = e / BC, c = (e % BC) * EPC;
-      if (r < C) cp_async16(t.u + r * L::LDB + c, gu + r * a.VP + c);
+      for (int i = 0; i < (64 * BC + NT - 1) / NT; ++i) {
+        const int e = tid + i * NT, r = e / BC, c = (e % BC) * EPC;
+        if (r < C) cp_async16(t.u + r * L::LDB + c, gu + r * a.VP + c);
+      }
     }
-    const Elem* ga = static_cast<const Elem*>(a.ws_a) + tile * C * C;
-    const int AC = C / EPC;
-    for (int e = tid; e < C * AC; e += NT) {
-      const int r = e / AC, c = (e % AC) * EPC;
-      cp_async16(t.a + r * L::LDA + c, ga + r * C + c);
+    if (!SCAN) {
+      const Elem* ga = static_cast<const Elem*>(a.ws_a) + wtile * C * C;
+      const int AC = C / EPC;
+      for (int e = tid; e < C * AC; e += NT) {
+        const int r = e / AC, c = (e % AC) * EPC;
+        cp_async16(t.a + r * L::LDA + c, ga + r * C + c);
+      }
     }
-    const float* gg = a.ws_gam + tile * KP;
+    const float* gg = a.ws_gam + wtile * KP;
     for (int e = tid; e < KP / 4; e += NT) cp_async16(t.gam + 4 * e, gg + 4 * e);
     cp_async_commit();
   };
@@ -668,17 +716,17 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
     __syncthreads();
   };
 
-  if (nch > 0) issue(0, 0);
-  for (int64_t ci = 0; ci < nch; ++ci) {
-    const int st = L::STAGES == 2 ? static_cast<int>(ci & 1) : 0;
+  if (c_begin < c_end) issue(c_begin, 0);
+  for (int64_t ci = c_begin; ci < c_end; ++ci) {
+    const int st = L::STAGES == 2 ? static_cast<int>((ci - c_begin) & 1) : 0;
     cp_async_wait<0>();
     __syncthreads();  // chunk ci visible; every warp is done with chunk ci-1
-    if (L::STAGES == 2 && ci + 1 < nch) issue(ci + 1, st ^ 1);
+    if (L::STAGES == 2 && ci + 1 < c_end) issue(ci + 1, st ^ 1);
     const Stage t = stage(st);
     const int nrows = static_cast<int>(min(static_cast<int64_t>(C), len - ci * C));
 
     // The chunk-start state: to the intermediate states, to shared memory (B operand), then decayed.
-    const bool inter = a.inter.present();
+    const bool inter = !SCAN && a.inter.present();
     const int64_t inter_base = a.cu_seqlens.present() ? (base + ci) * a.inter_sc : b * a.inter_sb + ci * a.inter_sc;
     if (inter) {
       for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
@@ -725,25 +773,26 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
       constexpr int NP = NTV > 1 ? NTV / 2 : 1;
       warp_gemm<Elem, 1, NTV, false, true, L::SPLIT_S>(vn, t.w, L::LDK, 16 * w4, sS + cb, L::LDB, 0, 0, KP / 16, NP,
                                                        sSlo + cb);
-      if constexpr (!L::ONE_TILE) {
+      if constexpr (!L::ONE_TILE && !SCAN) {
         warp_gemm<Elem, 1, NTV, false, true, L::SPLIT_S>(o, t.q, L::LDK, 16 * w4, sS + cb, L::LDB, 0, 0, KP / 16, NP,
                                                          sSlo + cb);
       }
       for_each_acc<1, NTV>([&](int, int nt, int e, int row, int col) {
         if ((e & 1) == 0) {
           const int r = 16 * w4 + row, c = cb + col;
-          const float u0 = to_float(t.u[r * L::LDB + c]), u1 = to_float(t.u[r * L::LDB + c + 1]);
+          float u0 = 0.f, u1 = 0.f;
+          if (!trans) u0 = to_float(t.u[r * L::LDB + c]), u1 = to_float(t.u[r * L::LDB + c + 1]);
           Op::store2(sVn + r * L::LDB + c, u0 - vn[0][nt].x[e], u1 - vn[0][nt].x[e + 1]);
         }
       });
     }
-    if constexpr (L::ONE_TILE) {
+    if constexpr (L::ONE_TILE && !SCAN) {
       reload(t.w, a.ws_qg, ci);
       if (rows_here) warp_gemm<Elem, 1, NTV, false, true>(o, t.w, L::LDK, 16 * w4, sS + cb, L::LDB, 0, 0, KP / 16);
     } else {
       __syncthreads();
     }
-    if (rows_here) {
+    if (!SCAN && rows_here) {
       warp_gemm<Elem, 1, NTV, false, true>(o, t.a, L::LDA, 16 * w4, sVn + cb, L::LDB, 0, 0, w4 + 1);
       const int64_t orow0 = b * a.out_sb + (t0 + ci * C) * a.out_st + hv * a.out_sh;
       with_typed(a.out, [&](auto* op) {
@@ -757,10 +806,16 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
     // S += kg^T v_new for this warp's state rows and columns.
     if constexpr (L::ONE_TILE) reload(t.w, a.ws_kg, ci);
     warp_gemm<Elem, MT, NTV, true, true>(S, t.k, L::LDK, w4 * ROWS, sVn + cb, L::LDB, 0, 0, C / 16);
-    if (L::STAGES == 1 && ci + 1 < nch) {
+    if (L::STAGES == 1 && ci + 1 < c_end) {
       __syncthreads();
       issue(ci + 1, 0);
     }
+  }
+  if (SCAN) {  // E (value tiles) or M (transition tiles) of this segment
+    for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
+      const int d = w4 * ROWS + row, v = v0 + col;
+      if (d < KP && v < ncols) seg_row(gseg, d)[seg_col0 + v] = S[mt][nt].x[e];
+    });
   }
   if (write) {
     for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
@@ -769,6 +824,70 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
         a.final_state.ptr.store(a.final_state.offset(slot, hv, d, v, a.K, a.V, a.vk), S[mt][nt].x[e]);
       }
     });
+  }
+}
+
+// ---- segment merge (context parallelism) -------------------------------------------------------------------
+// Per (sequence, v-head, 32 value columns), in order over the sequence's segments: S_start(s+1) = M_s S_start(s) + E_s
+// in fp32, written over E_s (segment s + 1 reads its start state from slot s). S_start(1) = E_0 is already in place
+// (the scan of segment 0 starts from the caller's state).
+constexpr int kMergeThreads = 256;
+constexpr int kMergeCols = 32;
+
+template <int KP>
+struct MergeLayout {
+  static constexpr int LD = kMergeCols + 1;
+  static constexpr size_t bytes() { return sizeof(float) * 2 * KP * LD; }  // S_start block, then a block of M
+};
+
+template <int KP>
+__global__ void __launch_bounds__(kMergeThreads) segment_merge_kernel(const ForwardArgs a) {
+  constexpr int LD = MergeLayout<KP>::LD, RG = kMergeThreads / kMergeCols, RPT = KP / RG;
+  const int VT_cols = a.seg_ld - KP;  // value columns of a slot
+  const int CB = (VT_cols + kMergeCols - 1) / kMergeCols;
+  int64_t idx = blockIdx.x;
+  const int cb = static_cast<int>(idx % CB);
+  idx /= CB;
+  const int hv = static_cast<int>(idx % a.HV);
+  const int n = static_cast<int>(idx / a.HV);
+  int64_t b, t0, len, per;
+  a.sequence(n, b, t0, len);
+  const int64_t nseg = a.segments_of((len + a.chunk - 1) / a.chunk, per);
+  if (nseg <= 2) return;
+  extern __shared__ __align__(16) char smem_raw[];
+  float* sS = reinterpret_cast<float*>(smem_raw);  // [KP][LD] S_start(s), columns of this CTA
+  float* sM = sS + KP * LD;                         // [KP][LD] M_s, rows d, keys e0..e0+31
+  const int tid = threadIdx.x, j = tid % kMergeCols, rg = tid / kMergeCols;
+  const int col = cb * kMergeCols + j;
+  const bool col_in = col < a.V;
+  auto row = [&](int64_t g, int d) { return a.ws_seg + ((g * a.HV + hv) * KP + d) * a.seg_ld; };
+  const int64_t g0 = a.seg_offsets[n];
+  for (int64_t s = 1; s + 1 < nseg; ++s) {
+    const int64_t g = g0 + s;
+    for (int e = rg; e < KP; e += RG) sS[e * LD + j] = col_in && e < a.K ? row(g - 1, e)[col] : 0.f;
+    float acc[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int d = rg + RG * i;
+      acc[i] = col_in && d < a.K ? row(g, d)[col] : 0.f;
+    }
+    for (int e0 = 0; e0 < a.K; e0 += kMergeCols) {
+      __syncthreads();  // sS written; the previous block of M consumed
+      for (int d = rg; d < KP; d += RG) sM[d * LD + j] = d < a.K && e0 + j < a.K ? row(g, d)[VT_cols + e0 + j] : 0.f;
+      __syncthreads();
+#pragma unroll 8
+      for (int e = 0; e < kMergeCols; ++e) {
+        const float sv = sS[(e0 + e) * LD + j];
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) acc[i] = fmaf(sM[(rg + RG * i) * LD + e], sv, acc[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int d = rg + RG * i;
+      if (col_in && d < a.K) row(g, d)[col] = acc[i];
+    }
+    __syncthreads();  // S_start(s+1) visible to the CTA before it is read as the next S_start
   }
 }
 

@@ -38,14 +38,29 @@ void launch_prepare(const ForwardArgs& a, cudaStream_t stream) {
   check_launch("prepare_kernel");
 }
 
+template <typename Elem, int KP, int BV, bool SCAN>
+void launch_recurrence_kind(const ForwardArgs& a, cudaStream_t stream) {
+  using L = RecurrenceLayout<Elem, KP, BV>;
+  auto kernel = recurrence_kernel<Elem, KP, BV, SCAN>;
+  set_smem(kernel, L::bytes());
+  const int64_t tiles = (a.V + BV - 1) / BV + (SCAN ? KP / BV : 0);
+  const int64_t ctas = a.num_segments * a.HV * tiles;
+  kernel<<<static_cast<unsigned>(ctas), RecurrenceWarps<BV>::THREADS, L::bytes(), stream>>>(a);
+  check_launch(SCAN ? "recurrence_kernel (segment scan)" : "recurrence_kernel");
+}
+
+// The recurrence; with context parallelism first the segment scan and the merge of the segments' start states.
 template <typename Elem, int KP, int BV>
 void launch_recurrence(const ForwardArgs& a, cudaStream_t stream) {
-  using L = RecurrenceLayout<Elem, KP, BV>;
-  auto kernel = recurrence_kernel<Elem, KP, BV>;
-  set_smem(kernel, L::bytes());
-  const int64_t ctas = int64_t(a.N) * a.HV * ((a.V + BV - 1) / BV);
-  kernel<<<static_cast<unsigned>(ctas), RecurrenceWarps<BV>::THREADS, L::bytes(), stream>>>(a);
-  check_launch("recurrence_kernel");
+  if (a.seg_offsets != nullptr) {
+    launch_recurrence_kind<Elem, KP, BV, true>(a, stream);
+    auto merge = segment_merge_kernel<KP>;
+    set_smem(merge, MergeLayout<KP>::bytes());
+    const int64_t ctas = int64_t(a.N) * a.HV * ((a.seg_ld - KP + kMergeCols - 1) / kMergeCols);
+    merge<<<static_cast<unsigned>(ctas), kMergeThreads, MergeLayout<KP>::bytes(), stream>>>(a);
+    check_launch("segment_merge_kernel");
+  }
+  launch_recurrence_kind<Elem, KP, BV, false>(a, stream);
 }
 
 template <typename InT>
