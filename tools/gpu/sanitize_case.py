@@ -1,5 +1,8 @@
 """A small varlen case with GVA, partial chunks, an empty sequence, states in and out and intermediate states,
-for compute-sanitizer (memcheck, racecheck). Exits non-zero if the result is wrong."""
+for compute-sanitizer (memcheck, racecheck), run twice: as is, and with the sequences cut into context-parallel
+segments (scan and merge kernels). Exits non-zero if the result is wrong."""
+import os
+
 import torch
 
 import kdakit
@@ -7,7 +10,11 @@ import kdakit
 torch.manual_seed(0)
 cu = [0, 1, 70, 70, 135, 200]
 T, H, HV, K, V = cu[-1], 2, 4, 100, 60
-for dtype in (torch.bfloat16, torch.float32):
+for dtype, cut in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True), (torch.float32, True)):
+    # Cut: sequences of >= 2 chunks of 32 tokens into up to 3 segments (the 69- and 65-token ones into 3: scan,
+    # merge and recurrence per segment).
+    os.environ["KDAKIT_FORWARD_SEGMENTS"] = "3" if cut else "1"
+    os.environ["KDAKIT_FORWARD_SEGMENT_TOKENS"] = "32"
     q, k = torch.rand(1, T, H, K, device="cuda", dtype=dtype), torch.rand(1, T, H, K, device="cuda", dtype=dtype)
     v, g = torch.rand(1, T, HV, V, device="cuda", dtype=dtype), torch.randn(1, T, HV, K, device="cuda", dtype=dtype)
     beta = torch.randn(1, T, HV, device="cuda", dtype=dtype)
@@ -24,6 +31,6 @@ for dtype in (torch.bfloat16, torch.float32):
     ro, rht = kdakit.naive_recurrent_kda(*args, initial_state=h0, output_final_state=True,
                                          cu_seqlens=torch.tensor(cu), **kw)
     err = ((o.double().cpu() - ro).norm() / ro.norm()).item()
-    print(f"{dtype}: relative error {err:.2e}")
+    print(f"{dtype}{' (context-parallel segments)' if cut else ''}: relative error {err:.2e}")
     assert err < 4e-3, err
 print("sanitize case OK")
