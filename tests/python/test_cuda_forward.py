@@ -150,16 +150,21 @@ def test_head_dims(K, V, dtype):
     check(make(1, 200, 1, 2, K, V, dtype=dtype))
 
 
-def test_determinism_and_batch_invariance():
-    x = make(1, 0, 2, 4, 128, cu=[0, 700, 705, 1900])
+def check_determinism_and_batch_invariance(cu, n):
+    """Two runs of a varlen batch are bit-identical, and so is sequence n run alone."""
+    x = make(1, 0, 2, 4, 128, cu=cu)
     o1, h1 = run(x)
     o2, h2 = run(x)
     assert torch.equal(o1, o2) and torch.equal(h1, h2), "two runs differ"
-    s = slice(705, 1900)
+    s = slice(cu[n], cu[n + 1])
     alone = dict(x, q=x["q"][:, s], k=x["k"][:, s], v=x["v"][:, s], g=x["g"][:, s], beta=x["beta"][:, s],
-                 h0=x["h0"][2:3], cu=None)
+                 h0=x["h0"][n:n + 1], cu=None)
     o3, h3 = run(alone)
-    assert torch.equal(o3, o1[:, s]) and torch.equal(h3[0], h1[2]), "a sequence's result depends on its batch"
+    assert torch.equal(o3, o1[:, s]) and torch.equal(h3[0], h1[n]), "a sequence's result depends on its batch"
+
+
+def test_determinism_and_batch_invariance():
+    check_determinism_and_batch_invariance([0, 700, 705, 1900], 2)
 
 
 def test_outputs_fully_written_and_pool_slots_untouched():
@@ -260,15 +265,7 @@ def test_context_parallel_fixed_length_and_pool(monkeypatch, dtype):
 def test_context_parallel_batch_invariance(monkeypatch):
     """Cuts depend on a sequence's own length: alone or in a batch, its result is bit-identical."""
     _force_segments(monkeypatch)
-    x = make(1, 0, 2, 4, 128, cu=[0, 30, 1030, 1095])
-    o1, h1 = run(x)
-    o2, h2 = run(x)
-    assert torch.equal(o1, o2) and torch.equal(h1, h2), "two runs differ"
-    s = slice(30, 1030)
-    alone = dict(x, q=x["q"][:, s], k=x["k"][:, s], v=x["v"][:, s], g=x["g"][:, s], beta=x["beta"][:, s],
-                 h0=x["h0"][1:2], cu=None)
-    o3, h3 = run(alone)
-    assert torch.equal(o3, o1[:, s]) and torch.equal(h3[0], h1[1]), "a sequence's result depends on its batch"
+    check_determinism_and_batch_invariance([0, 30, 1030, 1095], 1)
 
 
 def test_recurrence_tile_width_does_not_change_bits(monkeypatch):
