@@ -124,3 +124,33 @@ def test_torch_tensor_views():
         _C.view(torch.zeros(2, dtype=torch.complex64))
     with pytest.raises(TypeError, match="got str"):
         _C.view("not a tensor")
+
+
+def test_whole_struct_setters_match_field_assignment():
+    """set_inputs / set_state fill the same params as field-by-field assignment: the forward gives the same bits."""
+    rng = np.random.default_rng()
+    arrays = _problem(rng)
+    q, k, v, g, beta, A_log, h0 = arrays
+    B, T, HV, V = 2, 70, 4, 8
+    results = []
+    for use_setters in (False, True):
+        out, final = np.full((B, T, HV, V), np.nan, np.float32), np.full((B, HV, 16, V), np.nan, np.float32)
+        if use_setters:
+            p = _C.ForwardParams()
+            _C.set_inputs(p.inputs, q, k, v, g, beta, A_log, None, None, None, q.shape[-1] ** -0.5,
+                          int(_C.GateMode.SOFTPLUS), -5.0, True, True, False)
+            _C.set_state(p.state, False, h0, final, None, None)
+            p.out = _C.view(out)
+        else:
+            p = _params(arrays, out, final)
+        assert p.inputs.q.shape == list(q.shape) and p.inputs.gate.A_log.present
+        assert not p.inputs.gate.dt_bias.present and not p.state.state_indices.present
+        ws = np.empty(_C.forward_workspace_size(p), np.uint8)
+        p.set_workspace(_C.view(ws))
+        _C.forward(p)
+        results.append((out.copy(), final.copy()))
+    assert np.isfinite(results[0][0]).all()
+    assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
+    with pytest.raises(_C.InvalidArgumentError, match="^gate: "):
+        _C.set_inputs(_C.ForwardParams().inputs, q, k, v, g, beta, None, None, None, None, 1.0, 7, -5.0, False,
+                      False, False)
