@@ -261,7 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--only", nargs="*", default=None, help="substrings of row names to run")
-    ap.add_argument("--commit", default=None)
+    ap.add_argument("--commit", default=None,
+                    help="commit named in the table header (a copied tree or an installed package has no git history)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or not kdakit.cuda_available():
         print("kdakit.bench needs a CUDA device and kdakit's CUDA kernels")
