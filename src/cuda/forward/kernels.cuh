@@ -79,24 +79,27 @@ struct PrepareLayout {
   static constexpr int NSUB = C / 16;
   static constexpr int PAD = smem_pad<Elem>();
   static constexpr int LD64 = 64 + PAD;
-  static constexpr int LDKP = KP + PAD;
   static constexpr int LDC = C + PAD;
   static constexpr int LDL = C + 1;
   static constexpr int LDG = 65;
   static constexpr int KB_ROWS = (8 * NSUB * (NSUB - 1) > C) ? 8 * NSUB * (NSUB - 1) : C;
   static constexpr int TILE_ELEMS = (2 * C + KB_ROWS) * LD64;  // phase A tiles; phase B reuses them
-  static_assert(C * LDC + C * LD64 <= TILE_ELEMS, "phase B tiles must fit the phase A region");
+  static_assert(C * LDC + 2 * C * LD64 <= TILE_ELEMS, "phase B tiles (Tm diag(beta), a v slice, a k e^G slice) must "
+                                                      "fit the phase A region");
   static constexpr size_t r16(size_t b) { return (b + 15) & ~size_t(15); }
   // Slice phase: gates of one 64-dim slice and the exact path's scratch; then the inverse reuses the space.
   static constexpr size_t slice_bytes() { return r16(4 * C * LDG) + r16(4 * 4 * 2 * 16 * 17); }
   static constexpr size_t inverse_bytes() { return r16(4 * C * LDL) + r16(4 * (NSUB > 1 ? NSUB - 1 : 1) * 16 * 17); }
   static constexpr size_t union_bytes() { return slice_bytes() > inverse_bytes() ? slice_bytes() : inverse_bytes(); }
-  // q and k rows are staged in shared memory unless they would not fit (float32 inputs with K > 128 read them from
-  // global memory instead).
-  static constexpr bool STAGE_QK = !(sizeof(InT) == 4 && KP > 128);
+  // Raw q and k are staged one 64-column slice at a time ([C][64] each). For the L2 norms, whole rows are staged
+  // first over the raw, tile and union regions (contiguous, all free until the first slice) where they fit, and read
+  // from global memory otherwise (float32 inputs with K = 256).
+  static constexpr size_t raw_bytes() { return r16(sizeof(InT) * C * 64); }
+  static constexpr size_t tile_bytes() { return r16(sizeof(Elem) * TILE_ELEMS); }
+  static constexpr bool NORM_STAGED = 2 * sizeof(InT) * C * KP <= 2 * raw_bytes() + tile_bytes() + union_bytes();
+  // About 74 KB for bf16 inputs with C = 64, K <= 128: three CTAs per SM.
   static constexpr size_t bytes() {
-    return (STAGE_QK ? 2 * r16(sizeof(InT) * C * KP) : 0) + r16(sizeof(Elem) * TILE_ELEMS) + r16(sizeof(Elem) * C * LDKP) +
-           union_bytes() + r16(4 * NSUB * 64) + 3 * r16(4 * C) + r16(4 * 2 * NSUB);
+    return 2 * raw_bytes() + tile_bytes() + union_bytes() + r16(4 * NSUB * 64) + 3 * r16(4 * C) + r16(4 * 2 * NSUB);
   }
 };
 
@@ -128,8 +131,10 @@ __device__ __forceinline__ void stage_rows(InT* dst, int ld, const InT* src, con
 
 constexpr int kPrepareThreads = 256;
 
+// bf16 operands: three CTAs per SM (<= 80 registers, 74 KB of shared memory), as the kernel is latency-bound (0.49
+// instructions per scheduler and cycle at two). Float operands need twice the tiles: one or two CTAs, no register cap.
 template <typename InT, typename Elem, int C, int KP>
-__global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardArgs a) {
+__global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) prepare_kernel(const ForwardArgs a) {
   using L = PrepareLayout<InT, Elem, C, KP>;
   using Op = Operand<Elem>;
   constexpr int NSUB = L::NSUB, NKS = KP / 64, NOFF = NSUB > 1 ? 2 * (NSUB - 1) : 2, NTH = kPrepareThreads;
@@ -163,15 +168,16 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
 
   extern __shared__ __align__(16) char smem_raw[];
   SmemCursor cur{smem_raw};
-  InT* sQraw = L::STAGE_QK ? cur.take<InT>(C * KP) : nullptr;  // [C][KP] raw q rows (zero past the rows and K)
-  InT* sKraw = L::STAGE_QK ? cur.take<InT>(C * KP) : nullptr;
+  InT* sQraw = cur.take<InT>(C * 64);  // [C][64] raw q of the current slice (zero past the rows and K)
+  InT* sKraw = cur.take<InT>(C * 64);
+  InT* sRows = sQraw;                   // norm phase: [2][C][KP] whole raw q, k rows (over raw, tiles and union)
   Elem* tiles = cur.take<Elem>(L::TILE_ELEMS);
   Elem* sQa = tiles;                      // [C][LD64]  A operand: q (off-diagonal), then q*e^sigma (diagonal)
   Elem* sKa = tiles + C * L::LD64;        // [C][LD64]  A operand: k, likewise
   Elem* sKb = tiles + 2 * C * L::LD64;    // [KB_ROWS][LD64] B operands (off-diagonal), then k*e^-sigma
   Elem* sTb = tiles;                      // phase B: [C][LDC] Tm * diag(beta)
   Elem* sV = tiles + C * L::LDC;          // phase B: [C][LD64] a 64-column slice of v
-  Elem* sKbg = cur.take<Elem>(C * L::LDKP);  // [C][LDKP] k * exp2(G)
+  Elem* sKs = sV + C * L::LD64;           // phase B: [C][LD64] a 64-column slice of k * exp2(G), from ws_w
   char* uni = cur.p;
   cur.p += L::union_bytes();
   float* sGate = reinterpret_cast<float*>(uni);                              // slice phase [C][LDG]
@@ -184,10 +190,10 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
   float* sBeta = cur.take<float>(C);
   int* sMax = cur.take<int>(2 * NSUB);
 
-  // Stage 0: raw q, k rows into shared memory in one burst; beta; reciprocal norms.
-  if constexpr (L::STAGE_QK) {
-    stage_rows<InT, C>(sQraw, KP, qp, a.q, b, row0, h, nrows, a.K, a.vec_qk);
-    stage_rows<InT, C>(sKraw, KP, kp, a.k, b, row0, h, nrows, a.K, a.vec_qk);
+  // Stage 0: whole raw q, k rows into shared memory in one burst (for the norms); beta; reciprocal norms.
+  if constexpr (L::NORM_STAGED) {
+    stage_rows<InT, C>(sRows, KP, qp, a.q, b, row0, h, nrows, a.K, a.vec_qk);
+    stage_rows<InT, C>(sRows + C * KP, KP, kp, a.k, b, row0, h, nrows, a.K, a.vec_qk);
     cp_async_commit();
   }
   for (int r = tid; r < C; r += NTH) {
@@ -201,10 +207,10 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
   if (tid < 2 * NSUB) sMax[tid] = 0;
   cp_async_wait<0>();
   __syncthreads();
-  // Raw q/k element (r, d): from shared memory, or from global memory when not staged (zero outside).
-  auto raw = [&](bool is_k, int r, int d) -> float {
-    if constexpr (L::STAGE_QK) {
-      return to_float((is_k ? sKraw : sQraw)[r * KP + d]);
+  // Whole-row raw q/k element (r, d) for the norms: staged, or from global memory (zero outside).
+  auto row_raw = [&](bool is_k, int r, int d) -> float {
+    if constexpr (L::NORM_STAGED) {
+      return to_float(sRows[(is_k ? C * KP : 0) + r * KP + d]);
     } else {
       if (r >= nrows || d >= a.K) return 0.f;
       return is_k ? to_float(kp[a.k.offset(b, row0 + r, h) + d]) : to_float(qp[a.q.offset(b, row0 + r, h) + d]);
@@ -215,7 +221,7 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < KP / 32; ++i) {
-      const float x = raw(task & 1, r, lane + 32 * i);
+      const float x = row_raw(task & 1, r, lane + 32 * i);
       ss += x * x;
     }
     ss = warp_sum(ss);
@@ -235,12 +241,19 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
   dacc[0][1].zero();
   const int ab = warp & 3, role = warp >> 2;
   const bool has_block = ab < NSUB;
-  auto qn = [&](int r, int d) { return raw(false, r, d) * sRq[r]; };
-  auto kn = [&](int r, int d) { return raw(true, r, d) * sRk[r]; };
+  // Normalised q/k element (r, d) of the current slice (d in [d0, d0 + 64)), from its staged raw tile.
+  int slice0 = 0;
+  auto qn = [&](int r, int d) { return to_float(sQraw[r * 64 + d - slice0]) * sRq[r]; };
+  auto kn = [&](int r, int d) { return to_float(sKraw[r * 64 + d - slice0]) * sRk[r]; };
 
   for (int ks = 0; ks < NKS; ++ks) {
     const int d0 = ks * 64;
+    slice0 = d0;
     int* maxs = sMax + (ks & 1) * NSUB;
+    // The slice's raw q, k: in flight during the gate stage (the previous slice's readers are past a barrier).
+    stage_rows<InT, C>(sQraw, 64, qp + d0, a.q, b, row0, h, nrows, a.K - d0, a.vec_qk, 64);
+    stage_rows<InT, C>(sKraw, 64, kp + d0, a.k, b, row0, h, nrows, a.K - d0, a.vec_qk, 64);
+    cp_async_commit();
     // (i) Gates of the slice (log2 units; zero past the sequence and past K), sub-chunk totals, and the
     //     largest exponent of each diagonal block's factorisation around its anchor row.
     for (int pr = tid; pr < 64 * NSUB; pr += NTH) {
@@ -276,6 +289,7 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
       }
       atomicMax(&maxs[sb], __float_as_int(mx));
     }
+    cp_async_wait<0>();  // the slice's raw q, k
     __syncthreads();
     // (ii) Off-diagonal operands (anchored at each row block's first row) and the chunk-level outputs. Factors
     //      over disjoint token ranges multiply (all are <= 1), so each element needs two exponentials.
@@ -321,7 +335,7 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
         }
         Op::store(ws_qg + r * KP + d, a.scale * qv * eh * eb);
         Op::store(ws_kg + r * KP + d, kv * er * ea);
-        sKbg[r * L::LDKP + d] = to_elem<Elem>(kv * eh * eb);
+        Op::store(ws_w + r * KP + d, kv * eh * eb);  // k e^G: read back slice by slice for w, then overwritten
       }
       if (sb == 0) ws_gam[d] = fast_exp2(sTot[dl] + after);
     }
@@ -490,15 +504,22 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
     sTb[i * L::LDC + j] = to_elem<Elem>(j <= i ? sLT[i * L::LDL + j] * sBeta[j] : 0.f);
   }
   __syncthreads();
-  // w = Tm diag(beta) (k exp2(G)) by role-0 warps and u = Tm diag(beta) v by role-1 warps, 64 columns a step.
+  // w = Tm diag(beta) (k exp2(G)) by role-0 warps and u = Tm diag(beta) v by role-1 warps, 64 columns a step. k e^G
+  // comes back from the w tile of the workspace (written in the slice phase; the barriers since order it), which
+  // each step then overwrites with w in the same columns.
   const int VS = a.VP / 64;
   for (int it = 0; it < (NKS > VS ? NKS : VS); ++it) {
+    if (it < NKS) {
+      constexpr int EPC_E = 16 / sizeof(Elem), PIECES = 64 / EPC_E;
+      for (int e = tid; e < C * PIECES; e += NTH) {
+        const int r = e / PIECES, cc = (e % PIECES) * EPC_E;
+        cp_async16(sKs + r * L::LD64 + cc, ws_w + r * KP + 64 * it + cc);
+      }
+    }
     if (it < VS) {
       if constexpr (std::is_same<InT, Elem>::value) {  // raw copy: 16-byte cp.async where aligned and in range
         const int cols = min(64, a.V - 64 * it);
         stage_rows<InT, C>(sV, L::LD64, vp + 64 * it, a.v, b, row0, hv, nrows, cols, a.vec_v, 64);
-        cp_async_commit();
-        cp_async_wait<0>();
       } else {
         constexpr int PER = C * 64 / NTH;
         float vals[PER];
@@ -514,14 +535,16 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(const ForwardA
         }
       }
     }
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
     const bool w_step = role == 0 && it < NKS, u_step = role == 1 && it < VS;
     if (has_block && (w_step || u_step)) {
       FragC out[1][8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) out[0][i].zero();
-      const Elem* bsrc = w_step ? sKbg + 64 * it : sV;
-      const int ldb = w_step ? L::LDKP : L::LD64;
+      const Elem* bsrc = w_step ? sKs : sV;
+      const int ldb = L::LD64;
       warp_gemm<Elem, 1, 8, false, true>(out, sTb, L::LDC, 16 * ab, bsrc, ldb, 0, 0, ab + 1);
       Elem* dst = w_step ? ws_w + (16 * ab) * KP + 64 * it : ws_u + (16 * ab) * a.VP + 64 * it;
       const int ldd = w_step ? KP : a.VP;
