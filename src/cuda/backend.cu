@@ -139,6 +139,12 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
   const int wide = fp.cfg.KP <= 128 ? 64 : 32;
   int bv = wide;
   while (bv > 16 && ctas(bv) < (3 * sms) / 4) bv /= 2;
+  // Between one and two waves of 64-column CTAs (one CTA per SM: their shared memory), the second wave runs a whole
+  // chain with the SMs half idle (B1 T8192 H96: 192 CTAs on 132 SMs); one 128-column CTA per head (one prefetch
+  // stage, bf16 operands) makes it one wave.
+  // (Needs V in (64, 128]: the u workspace rows are VP = 128 columns wide, the whole tile.)
+  const bool wide128 = fp.cfg.KP <= 128 && fp.esz == 2 && pr.V > 64 && pr.V <= 128;
+  if (bv == 64 && wide128 && ctas(64) > sms && ctas(128) <= sms) bv = 128;
   // Context parallelism for few heads: a sequence of at least 2 * 8192 tokens is cut into up to seg_target segments
   // of at least 8192 tokens, seg_target = the wide-tile CTAs that one sequence leaves the SMs short of. Both depend on
   // the head count and the device only, never on the batch (batch invariance). Developer overrides for tests and
@@ -158,10 +164,12 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
       bv = wide;  // the segments supply the parallelism; wide tiles do the most work per chunk step
     }
   }
-  // Developer override for tuning (KDAKIT_FORWARD_BV=16|32|64); the result does not depend on it.
+  // Developer override for tuning (KDAKIT_FORWARD_BV=16|32|64|128); the result does not depend on it.
   if (const char* env = std::getenv("KDAKIT_FORWARD_BV")) {
     const int want = std::atoi(env);
-    if (want == 16 || want == 32 || (want == 64 && fp.cfg.KP <= 128)) bv = want;
+    if (want == 16 || want == 32 || (want == 64 && fp.cfg.KP <= 128) || (want == 128 && wide128)) {
+      bv = want;
+    }
   }
   fp.cfg.BV = bv;
   auto align = [](size_t x) { return (x + 255) & ~size_t(255); };

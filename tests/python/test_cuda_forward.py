@@ -272,7 +272,7 @@ def test_recurrence_tile_width_does_not_change_bits(monkeypatch):
     """Batch invariance relies on it: the V tile of the recurrence (chosen from the batch) changes no bit."""
     x = make(1, 0, 2, 4, 128, cu=[0, 300, 301, 900])
     results = []
-    for bv in ("16", "32", "64"):
+    for bv in ("16", "32", "64", "128"):
         monkeypatch.setenv("KDAKIT_FORWARD_BV", bv)
         results.append(run(x))
     for o, h in results[1:]:

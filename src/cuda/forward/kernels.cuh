@@ -562,7 +562,9 @@ template <typename Elem, int KP, int BV>
 struct RecurrenceLayout {
   static constexpr int PAD = smem_pad<Elem>();
   static constexpr int LDK = KP + PAD, LDB = BV + PAD, LDA = 64 + PAD;
-  static constexpr int STAGES = (sizeof(Elem) == 2 && KP <= 128) ? 2 : 1;
+  // Two stages (the next chunk's tiles prefetched) where they fit; 128-column tiles (one CTA per head: a single wave
+  // where 64-column tiles would need 1-2) fit one.
+  static constexpr int STAGES = (sizeof(Elem) == 2 && KP <= 128 && BV <= 64) ? 2 : 1;
   // Split operands at K = 256 do not fit three [64][KP] tiles: w, qg and kg then take turns in one buffer.
   static constexpr bool ONE_TILE = sizeof(Elem) == 4 && KP > 128;
   static constexpr int TILES = ONE_TILE ? 1 : 3;

@@ -86,6 +86,12 @@ void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t
     switch (cfg.BV) {
       case 16: launch_recurrence<Elem, KP, 16>(a, stream); break;
       case 32: launch_recurrence<Elem, KP, 32>(a, stream); break;
+      case 128:
+        if constexpr (KP <= 128 && sizeof(Elem) == 2) {
+          launch_recurrence<Elem, KP, 128>(a, stream);
+          break;
+        }
+        [[fallthrough]];
       default:
         if constexpr (KP <= 128) launch_recurrence<Elem, KP, 64>(a, stream);
         else launch_recurrence<Elem, KP, 32>(a, stream);
