@@ -80,7 +80,8 @@ struct PrepareLayout {
   static constexpr int PAD = smem_pad<Elem>();
   static constexpr int LD64 = 64 + PAD;
   static constexpr int LDC = C + PAD;
-  static constexpr int LDL = C + 1;
+  static constexpr int LDL = C + 8;  // even (float2 fragment loads) and 8 mod 32 banks
+  static constexpr int LDY = 12;     // the inverse's per-warp [32][LDY] intermediate: conflict-free B fragments
   static constexpr int LDG = 65;
   static constexpr int KB_ROWS = (8 * NSUB * (NSUB - 1) > C) ? 8 * NSUB * (NSUB - 1) : C;
   static constexpr int TILE_ELEMS = (2 * C + KB_ROWS) * LD64;  // phase A tiles; phase B reuses them
@@ -89,14 +90,11 @@ struct PrepareLayout {
   static constexpr size_t r16(size_t b) { return (b + 15) & ~size_t(15); }
   // Slice phase: gates of one 64-dim slice and the exact path's scratch; then the inverse reuses the space.
   static constexpr size_t slice_bytes() { return r16(4 * C * LDG) + r16(4 * 4 * 2 * 16 * 17); }
-  static constexpr size_t inverse_bytes() { return r16(4 * C * LDL) + r16(4 * (NSUB > 1 ? NSUB - 1 : 1) * 16 * 17); }
+  static constexpr size_t inverse_bytes() { return r16(4 * C * LDL) + r16(4 * 4 * 32 * LDY); }
   static constexpr size_t union_bytes() { return slice_bytes() > inverse_bytes() ? slice_bytes() : inverse_bytes(); }
-  // Raw q and k are staged one 64-column slice at a time ([C][64] each). For the L2 norms, whole rows are staged
-  // first over the raw, tile and union regions (contiguous, all free until the first slice) where they fit, and read
-  // from global memory otherwise (float32 inputs with K = 256).
+  // Raw q and k are staged one 64-column slice at a time ([C][64] each).
   static constexpr size_t raw_bytes() { return r16(sizeof(InT) * C * 64); }
   static constexpr size_t tile_bytes() { return r16(sizeof(Elem) * TILE_ELEMS); }
-  static constexpr bool NORM_STAGED = 2 * sizeof(InT) * C * KP <= 2 * raw_bytes() + tile_bytes() + union_bytes();
   // About 74 KB for bf16 inputs with C = 64, K <= 128: three CTAs per SM.
   static constexpr size_t bytes() {
     return 2 * raw_bytes() + tile_bytes() + union_bytes() + r16(4 * NSUB * 64) + 3 * r16(4 * C) + r16(4 * 2 * NSUB);
@@ -129,7 +127,71 @@ __device__ __forceinline__ void stage_rows(InT* dst, int ld, const InT* src, con
   }
 }
 
+// Sum of squares of the elements in 16 bytes of InT.
+template <typename InT>
+__device__ __forceinline__ float sum_squares16(const uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same<InT, float>::value) {
+      const float x = __uint_as_float(w[i]);
+      s += x * x;
+    } else if constexpr (std::is_same<InT, __nv_bfloat16>::value) {
+      const float lo = __uint_as_float(w[i] << 16), hi = __uint_as_float(w[i] & 0xffff0000u);
+      s += lo * lo + hi * hi;
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      s += f.x * f.x + f.y * f.y;
+    }
+  }
+  return s;
+}
+
 constexpr int kPrepareThreads = 256;
+
+// One doubling level of the inverse of a unit lower triangular [C][LDL] fp32 tile whose diagonal blocks of 16 rows
+// already hold their inverses: for each pair of row blocks of S = 16 * MT rows (top at `top`, bottom at top + S), the
+// bottom-left block B becomes -D^-1 B A^-1, where A^-1 and D^-1 are the pair's (already inverted) diagonal blocks.
+// Warps [0, (C / 2S) * (S / 8)) each compute 8 columns; every thread of the CTA must call it (two barriers).
+template <int C, int LDL, int LDY, int MT>
+__device__ __forceinline__ void inverse_level(float* sT, float* sY) {
+  constexpr int S = 16 * MT, TILES = S / 8, TASKS = (C / (2 * S)) * TILES;
+  static_assert(TASKS <= kPrepareThreads / 32 && TASKS <= 4, "one task per warp, four scratch tiles");
+  const int warp = threadIdx.x >> 5;
+  FragC t[MT][1];
+  int r0 = 0, c0 = 0;
+  if (warp < TASKS) {
+    const int top = 2 * S * (warp / TILES), nt = warp % TILES;
+    r0 = top + S;
+    c0 = top + 8 * nt;
+    float* y = sY + warp * 32 * LDY;
+    // Y = B A^-1 (columns c0..c0 + 7); A^-1 is lower triangular, so rows above the column's 16-block are zero.
+    FragC acc[MT][1];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[m][0].zero();
+    const int kskip = (8 * nt) / 16;
+    warp_gemm<float, MT, 1, false, true>(acc, sT, LDL, r0, sT, LDL, c0, top + 16 * kskip, MT - kskip);
+    for_each_acc<MT, 1>([&](int m, int, int e, int row, int col) {
+      if ((e & 1) == 0) *reinterpret_cast<float2*>(y + row * LDY + col) = make_float2(acc[m][0].x[e], acc[m][0].x[e + 1]);
+    });
+    __syncwarp();
+    // -D^-1 Y (the A tile starts at D^-1's first column, so that k indexes both D^-1's columns and Y's rows)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) t[m][0].zero();
+    warp_gemm<float, MT, 1, false, true>(t, sT + r0, LDL, r0, y, LDY, 0, 0, MT);
+  }
+  __syncthreads();  // every reader of B (and of the diagonal blocks) is done
+  if (warp < TASKS) {
+    for_each_acc<MT, 1>([&](int m, int, int e, int row, int col) {
+      if ((e & 1) == 0) {
+        *reinterpret_cast<float2*>(sT + (r0 + row) * LDL + c0 + col) = make_float2(-t[m][0].x[e], -t[m][0].x[e + 1]);
+      }
+    });
+  }
+  __syncthreads();
+}
+
 
 // bf16 operands: three CTAs per SM (<= 80 registers, 74 KB of shared memory), as the kernel is latency-bound (0.49
 // instructions per scheduler and cycle at two). Float operands need twice the tiles: one or two CTAs, no register cap.
@@ -170,7 +232,6 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
   SmemCursor cur{smem_raw};
   InT* sQraw = cur.take<InT>(C * 64);  // [C][64] raw q of the current slice (zero past the rows and K)
   InT* sKraw = cur.take<InT>(C * 64);
-  InT* sRows = sQraw;                   // norm phase: [2][C][KP] whole raw q, k rows (over raw, tiles and union)
   Elem* tiles = cur.take<Elem>(L::TILE_ELEMS);
   Elem* sQa = tiles;                      // [C][LD64]  A operand: q (off-diagonal), then q*e^sigma (diagonal)
   Elem* sKa = tiles + C * L::LD64;        // [C][LD64]  A operand: k, likewise
@@ -183,19 +244,15 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
   float* sGate = reinterpret_cast<float*>(uni);                              // slice phase [C][LDG]
   float* sEx = reinterpret_cast<float*>(uni + L::r16(4 * C * L::LDG));      // slice phase, exact path
   float* sLT = reinterpret_cast<float*>(uni);                                // inverse phase [C][LDL]
-  float* sX = reinterpret_cast<float*>(uni + L::r16(4 * C * L::LDL));
+  float* sY = reinterpret_cast<float*>(uni + L::r16(4 * C * L::LDL));  // inverse phase [4 warps][32][LDY]
   float* sTot = cur.take<float>(NSUB * 64);    // [NSUB][64] sub-chunk totals of the current slice
   float* sRq = cur.take<float>(C);
   float* sRk = cur.take<float>(C);
   float* sBeta = cur.take<float>(C);
   int* sMax = cur.take<int>(2 * NSUB);
 
-  // Stage 0: whole raw q, k rows into shared memory in one burst (for the norms); beta; reciprocal norms.
-  if constexpr (L::NORM_STAGED) {
-    stage_rows<InT, C>(sRows, KP, qp, a.q, b, row0, h, nrows, a.K, a.vec_qk);
-    stage_rows<InT, C>(sRows + C * KP, KP, kp, a.k, b, row0, h, nrows, a.K, a.vec_qk);
-    cp_async_commit();
-  }
+  // Stage 0: beta, and the reciprocal L2 norms of the chunk's q and k rows read straight into registers (TPR threads
+  // a row, 16-byte loads where aligned); the slices staged below read the rows again, from L2.
   for (int r = tid; r < C; r += NTH) {
     float bt = 0.f;
     if (r < nrows) {
@@ -205,29 +262,34 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
     sBeta[r] = bt;
   }
   if (tid < 2 * NSUB) sMax[tid] = 0;
-  cp_async_wait<0>();
-  __syncthreads();
-  // Whole-row raw q/k element (r, d) for the norms: staged, or from global memory (zero outside).
-  auto row_raw = [&](bool is_k, int r, int d) -> float {
-    if constexpr (L::NORM_STAGED) {
-      return to_float(sRows[(is_k ? C * KP : 0) + r * KP + d]);
-    } else {
-      if (r >= nrows || d >= a.K) return 0.f;
-      return is_k ? to_float(kp[a.k.offset(b, row0 + r, h) + d]) : to_float(qp[a.q.offset(b, row0 + r, h) + d]);
-    }
-  };
-  for (int task = warp; task < 2 * C; task += NTH / 32) {
-    const int r = task >> 1;
+  {
+    constexpr int EPC = 16 / sizeof(InT), TPR = NTH / (2 * C), PIECES = KP / (EPC * TPR);
+    static_assert(NTH % (2 * C) == 0 && KP % (EPC * TPR) == 0, "whole pieces per thread");
+    const int task = tid / TPR, part = tid % TPR, r = task >> 1;
+    const bool is_k = task & 1;
+    const TokenTensor& tt = is_k ? a.k : a.q;
     float ss = 0.f;
+    if (r < nrows) {
+      const InT* row = (is_k ? kp : qp) + tt.offset(b, row0 + r, h);
+#pragma unroll 8
+      for (int j = 0; j < PIECES; ++j) {
+        const int c0 = (j * TPR + part) * EPC;
+        if (a.vec_qk) {
+          if (c0 < a.K) ss += sum_squares16<InT>(*reinterpret_cast<const uint4*>(row + c0));
+        } else {
 #pragma unroll
-    for (int i = 0; i < KP / 32; ++i) {
-      const float x = row_raw(task & 1, r, lane + 32 * i);
-      ss += x * x;
+          for (int e = 0; e < EPC; ++e) {
+            const float x = c0 + e < a.K ? to_float(row[c0 + e]) : 0.f;
+            ss += x * x;
+          }
+        }
+      }
     }
-    ss = warp_sum(ss);
-    if (lane == 0) {
+#pragma unroll
+    for (int o = 1; o < TPR; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (part == 0) {
       const float rs = r < nrows ? (a.l2norm ? rsqrtf(ss + static_cast<float>(math::kL2NormEps)) : 1.f) : 0.f;
-      (task & 1 ? sRk : sRq)[r] = rs;
+      (is_k ? sRk : sRq)[r] = rs;
     }
   }
   const GateLog2 gate(a.gate_mode, a.A_log.present() ? a.A_log.load(hv) : 0.f, a.A_log.present(), a.lower_bound);
@@ -469,35 +531,13 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
     }
   }
   __syncthreads();
-  // Row blocks ra = 1.. : T[ra][bb] = -D[ra] * sum_{m=bb}^{ra-1} L[ra][m] T[m][bb].
-  for (int ra = 1; ra < NSUB; ++ra) {
-    for (int e = tid; e < ra * 256; e += NTH) {
-      const int bb = e >> 8, i = (e >> 4) & 15, cc = e & 15;
-      float s0 = 0.f, s1 = 0.f;  // two chains, 16 products per block in flight
-      for (int mb = bb; mb < ra; ++mb) {
-        const float* lrow = sLT + (16 * ra + i) * L::LDL + 16 * mb;
-        const float* tcol = sLT + 16 * mb * L::LDL + 16 * bb + cc;
-#pragma unroll
-        for (int l = 0; l < 16; l += 2) {
-          s0 += lrow[l] * tcol[l * L::LDL];
-          s1 += lrow[l + 1] * tcol[(l + 1) * L::LDL];
-        }
-      }
-      sX[(bb * 16 + i) * 17 + cc] = s0 + s1;
-    }
-    __syncthreads();
-    for (int e = tid; e < ra * 256; e += NTH) {
-      const int bb = e >> 8, i = (e >> 4) & 15, cc = e & 15;
-      float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-      for (int l = 0; l < 16; l += 2) {
-        s0 -= sLT[(16 * ra + i) * L::LDL + 16 * ra + l] * sX[(bb * 16 + l) * 17 + cc];
-        s1 -= sLT[(16 * ra + i) * L::LDL + 16 * ra + l + 1] * sX[(bb * 16 + l + 1) * 17 + cc];
-      }
-      sLT[(16 * ra + i) * L::LDL + 16 * bb + cc] = s0 + s1;
-    }
-    __syncthreads();
-  }
+  // Off-diagonal blocks by doubling, [A 0; B D]^-1 = [A^-1 0; -D^-1 B A^-1, D^-1]: 16-row pairs, then (C = 64) the
+  // 32-row halves. The products run on the tensor cores with fp32 operands split as hi + lo bf16 (about 16
+  // significant bits, the float-input path's precision). A warp owns 8 columns of a level's result and keeps
+  // Y = B A^-1 in a private scratch tile; the block's readers finish before any result overwrites B.
+  static_assert(NSUB == 2 || NSUB == 4, "the doubling inverse covers chunks of 32 or 64 rows");
+  inverse_level<C, L::LDL, L::LDY, 1>(sLT, sY);
+  if constexpr (NSUB == 4) inverse_level<C, L::LDL, L::LDY, 2>(sLT, sY);
   // Tm * diag(beta) as the A operand of w and u.
   for (int e = tid; e < C * C; e += NTH) {
     const int i = e / C, j = e % C;
