@@ -101,28 +101,32 @@ struct PrepareLayout {
   }
 };
 
+constexpr int kPrepareThreads = 256;
+
 // First row of row block a's off-diagonal B operand in sKb (row block a needs rows [0, 16a)).
 __host__ __device__ constexpr int kb_offset(int a) { return 8 * a * (a - 1); }
 
-// Copies rows [0, nrows) x cols [0, cols) of a token tensor into a dense smem tile [C][ld] (InT), zero elsewhere.
-// vec: 16-byte copies are legal (aligned base, strides and cols).
-template <typename InT, int C>
+// Copies rows [0, nrows) x cols [0, cols) of a token tensor into columns [0, WIDTH) of a smem tile [C][ld] (InT),
+// zero elsewhere. vec: 16-byte copies are legal (aligned base, strides and cols). Each thread keeps one 16-byte
+// column piece and walks the rows by pointer increments (the 64-bit offset arithmetic per piece was ~10
+// instructions).
+template <typename InT, int C, int WIDTH>
 __device__ __forceinline__ void stage_rows(InT* dst, int ld, const InT* src, const TokenTensor& t, int64_t b,
-                                           int64_t row0, int h, int nrows, int cols, bool vec, int width = 0) {
-  constexpr int EPC = 16 / sizeof(InT);
-  const int tid = threadIdx.x;
-  const int pieces = (width > 0 ? width : ld) / EPC;  // columns [0, width) of the tile (default: the whole row)
-  for (int e = tid; e < C * pieces; e += blockDim.x) {
-    const int r = e / pieces, c0 = (e % pieces) * EPC;
+                                           int64_t row0, int h, int nrows, int cols, bool vec) {
+  constexpr int EPC = 16 / sizeof(InT), PIECES = WIDTH / EPC, STEP = kPrepareThreads / PIECES;
+  static_assert(WIDTH % EPC == 0 && kPrepareThreads % PIECES == 0, "whole pieces, a fixed piece per thread");
+  const int c0 = (threadIdx.x % PIECES) * EPC;
+  int r = threadIdx.x / PIECES;
+  const InT* s = src + t.offset(b, row0 + r, h) + c0;
+  const int64_t step = STEP * t.st;
+#pragma unroll 1
+  for (; r < C; r += STEP, s += step) {
     InT* d = dst + r * ld + c0;
     if (vec && r < nrows && c0 < cols) {
-      cp_async16(d, src + t.offset(b, row0 + r, h) + c0);
+      cp_async16(d, s);
     } else {
 #pragma unroll
-      for (int j = 0; j < EPC; ++j) {
-        const bool in = r < nrows && c0 + j < cols;
-        d[j] = in ? src[t.offset(b, row0 + r, h) + c0 + j] : InT(0.f);
-      }
+      for (int j = 0; j < EPC; ++j) d[j] = r < nrows && c0 + j < cols ? s[j] : InT(0.f);
     }
   }
 }
@@ -148,7 +152,6 @@ __device__ __forceinline__ float sum_squares16(const uint4 v) {
   return s;
 }
 
-constexpr int kPrepareThreads = 256;
 
 // One doubling level of the inverse of a unit lower triangular [C][LDL] fp32 tile whose diagonal blocks of 16 rows
 // already hold their inverses: for each pair of row blocks of S = 16 * MT rows (top at `top`, bottom at top + S), the
@@ -313,8 +316,8 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
     slice0 = d0;
     int* maxs = sMax + (ks & 1) * NSUB;
     // The slice's raw q, k: in flight during the gate stage (the previous slice's readers are past a barrier).
-    stage_rows<InT, C>(sQraw, 64, qp + d0, a.q, b, row0, h, nrows, a.K - d0, a.vec_qk, 64);
-    stage_rows<InT, C>(sKraw, 64, kp + d0, a.k, b, row0, h, nrows, a.K - d0, a.vec_qk, 64);
+    stage_rows<InT, C, 64>(sQraw, 64, qp + d0, a.q, b, row0, h, nrows, a.K - d0, a.vec_qk);
+    stage_rows<InT, C, 64>(sKraw, 64, kp + d0, a.k, b, row0, h, nrows, a.K - d0, a.vec_qk);
     cp_async_commit();
     // (i) Gates of the slice (log2 units; zero past the sequence and past K), sub-chunk totals, and the
     //     largest exponent of each diagonal block's factorisation around its anchor row.
@@ -322,10 +325,15 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
       const int dl = pr & 63, sb = pr >> 6, d = d0 + dl;
       float gv[16];
       const int valid_rows = d < a.K ? min(16, nrows - sb * 16) : 0;
+      // All loads first (one memory latency for the 16 rows), addressed by pointer increments; full blocks unpredicated.
       const InT* grow = gp + a.g.offset(b, row0 + sb * 16, hv) + d;
+      const int64_t gst = a.g.st;
+      if (valid_rows == 16) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {  // all loads first: one memory latency for the 16 rows
-        gv[i] = i < valid_rows ? to_float(grow[i * a.g.st]) : 0.f;
+        for (int i = 0; i < 16; ++i, grow += gst) gv[i] = to_float(*grow);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i, grow += gst) gv[i] = i < valid_rows ? to_float(*grow) : 0.f;
       }
       const float bias = (a.gate_mode != 0 && a.dt_bias.present() && d < a.K) ? a.dt_bias.load(int64_t(hv) * a.K + d) : 0.f;
       float tot = 0.f;
@@ -482,30 +490,49 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
     __syncthreads();
   }
 
-  // Epilogue of the intra-chunk matrices: Aqk = scale * tril(P) to the workspace, L (strictly lower,
-  // rows scaled by beta) to shared memory (the slice scratch is free now).
-  for (int e = tid; e < C * L::LDL; e += NTH) sLT[e] = 0.f;
-  __syncthreads();
+  // Epilogue of the intra-chunk matrices: Aqk = scale * tril(P) to the workspace, L (strictly lower, rows scaled by
+  // beta) to shared memory over the slice scratch (free since the last barrier). Each warp writes whole rows of its
+  // row block, zeros above the diagonal included, in pairs (and 16-byte zeros), so no clearing pass is needed.
   if (has_block) {
-    const int r0 = 16 * ab;
+    const int r0 = 16 * ab, upper = C - 16 * (ab + 1);
     if (role == 0) {
       for_each_acc<1, NOFF>([&](int, int nt, int e, int row, int col) {
-        if (2 * ab > nt) ws_a[(r0 + row) * C + col] = to_elem<Elem>(a.scale * acc[0][nt].x[e]);
+        if (2 * ab > nt && (e & 1) == 0) {
+          Op::store2(ws_a + (r0 + row) * C + col, a.scale * acc[0][nt].x[e], a.scale * acc[0][nt].x[e + 1]);
+        }
       });
       for_each_acc<1, 2>([&](int, int nt, int e, int row, int col) {
-        ws_a[(r0 + row) * C + r0 + col] = to_elem<Elem>(col <= row ? a.scale * dacc[0][nt].x[e] : 0.f);
+        if ((e & 1) == 0) {
+          Op::store2(ws_a + (r0 + row) * C + r0 + col, col <= row ? a.scale * dacc[0][nt].x[e] : 0.f,
+                     col + 1 <= row ? a.scale * dacc[0][nt].x[e + 1] : 0.f);
+        }
       });
-      const int upper = C - 16 * (ab + 1);
-      for (int e = lane; e < 16 * upper; e += 32) {
-        ws_a[(r0 + e / upper) * C + 16 * (ab + 1) + e % upper] = to_elem<Elem>(0.f);
+      constexpr int EPC_E = 16 / sizeof(Elem);
+      const int pieces = upper / EPC_E;
+      for (int e = lane; e < 16 * pieces; e += 32) {
+        *reinterpret_cast<uint4*>(ws_a + (r0 + e / pieces) * C + 16 * (ab + 1) + (e % pieces) * EPC_E) =
+            make_uint4(0u, 0u, 0u, 0u);
       }
     } else {
       for_each_acc<1, NOFF>([&](int, int nt, int e, int row, int col) {
-        if (2 * ab > nt) sLT[(r0 + row) * L::LDL + col] = sBeta[r0 + row] * acc[0][nt].x[e];
+        if (2 * ab > nt && (e & 1) == 0) {
+          const float bt = sBeta[r0 + row];
+          *reinterpret_cast<float2*>(sLT + (r0 + row) * L::LDL + col) =
+              make_float2(bt * acc[0][nt].x[e], bt * acc[0][nt].x[e + 1]);
+        }
       });
       for_each_acc<1, 2>([&](int, int nt, int e, int row, int col) {
-        sLT[(r0 + row) * L::LDL + r0 + col] = col < row ? sBeta[r0 + row] * dacc[0][nt].x[e] : 0.f;
+        if ((e & 1) == 0) {
+          const float bt = sBeta[r0 + row];
+          *reinterpret_cast<float2*>(sLT + (r0 + row) * L::LDL + r0 + col) =
+              make_float2(col < row ? bt * dacc[0][nt].x[e] : 0.f, col + 1 < row ? bt * dacc[0][nt].x[e + 1] : 0.f);
+        }
       });
+      for (int e = lane; e < 16 * (upper / 4); e += 32) {
+        const int q4 = upper / 4;
+        *reinterpret_cast<float4*>(sLT + (r0 + e / q4) * L::LDL + 16 * (ab + 1) + 4 * (e % q4)) =
+            make_float4(0.f, 0.f, 0.f, 0.f);
+      }
     }
   }
   __syncthreads();
@@ -539,9 +566,10 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
   inverse_level<C, L::LDL, L::LDY, 1>(sLT, sY);
   if constexpr (NSUB == 4) inverse_level<C, L::LDL, L::LDY, 2>(sLT, sY);
   // Tm * diag(beta) as the A operand of w and u.
-  for (int e = tid; e < C * C; e += NTH) {
-    const int i = e / C, j = e % C;
-    sTb[i * L::LDC + j] = to_elem<Elem>(j <= i ? sLT[i * L::LDL + j] * sBeta[j] : 0.f);
+  for (int e = tid; e < C * C / 2; e += NTH) {
+    const int i = e / (C / 2), j = 2 * (e % (C / 2));
+    const float2 t = *reinterpret_cast<const float2*>(sLT + i * L::LDL + j);
+    Op::store2(sTb + i * L::LDC + j, j <= i ? t.x * sBeta[j] : 0.f, j + 1 <= i ? t.y * sBeta[j + 1] : 0.f);
   }
   __syncthreads();
   // w = Tm diag(beta) (k exp2(G)) by role-0 warps and u = Tm diag(beta) v by role-1 warps, 64 columns a step. k e^G
@@ -559,7 +587,7 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
     if (it < VS) {
       if constexpr (std::is_same<InT, Elem>::value) {  // raw copy: 16-byte cp.async where aligned and in range
         const int cols = min(64, a.V - 64 * it);
-        stage_rows<InT, C>(sV, L::LD64, vp + 64 * it, a.v, b, row0, hv, nrows, cols, a.vec_v, 64);
+        stage_rows<InT, C, 64>(sV, L::LD64, vp + 64 * it, a.v, b, row0, hv, nrows, cols, a.vec_v);
       } else {
         constexpr int PER = C * 64 / NTH;
         float vals[PER];
