@@ -131,6 +131,37 @@ __device__ __forceinline__ void stage_rows(InT* dst, int ld, const InT* src, con
   }
 }
 
+// A diagonal block's factorisation around its anchor row m (log2 units): offsets s_i = G_i - G_m, and the largest
+// exponent it needs. FULL: a whole 16-row block, whose anchor is row 8 at compile time (the row predicates fold).
+template <bool FULL>
+__device__ __forceinline__ void anchor_offsets(const float (&gv)[16], int m_rt, float (&sg)[16]) {
+  const int m = FULL ? 8 : m_rt;
+  float up = 0.f, dn = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    if (i > m) up += gv[i];
+    sg[i] = i > m ? up : 0.f;
+  }
+#pragma unroll
+  for (int i = 15; i >= 0; --i) {
+    if (i < m) { dn -= gv[i + 1]; sg[i] = dn; }
+  }
+}
+template <bool FULL>
+__device__ __forceinline__ float anchor_max(const float (&gv)[16], int m_rt) {
+  const int m = FULL ? 8 : m_rt;
+  float up = 0.f, dn = 0.f, mx = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    if (i > m) { up += gv[i]; mx = fmaxf(mx, -up); }
+  }
+#pragma unroll
+  for (int i = 15; i >= 0; --i) {
+    if (i < m) { dn -= gv[i + 1]; mx = fmaxf(mx, dn); }
+  }
+  return mx;
+}
+
 // Sum of squares of the elements in 16 bytes of InT.
 template <typename InT>
 __device__ __forceinline__ float sum_squares16(const uint4 v) {
@@ -348,15 +379,7 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
       sTot[sb * 64 + dl] = tot;
       const int valid = max(0, min(16, nrows - sb * 16));
       const int m = max(0, min(8, valid - 1));
-      float up = 0.f, dn = 0.f, mx = 0.f;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        if (i > m) { up += gv[i]; mx = fmaxf(mx, -up); }
-      }
-#pragma unroll
-      for (int i = 15; i >= 0; --i) {
-        if (i < m) { dn -= gv[i + 1]; mx = fmaxf(mx, dn); }
-      }
+      const float mx = valid == 16 ? anchor_max<true>(gv, m) : anchor_max<false>(gv, m);
       atomicMax(&maxs[sb], __float_as_int(mx));
     }
     cp_async_wait<0>();  // the slice's raw q, k
@@ -424,16 +447,8 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
       float gv[16], sg[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) gv[i] = sGate[(sb * 16 + i) * L::LDG + dl];
-      float up = 0.f, dn = 0.f;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        if (i > m) up += gv[i];
-        sg[i] = i > m ? up : 0.f;
-      }
-#pragma unroll
-      for (int i = 15; i >= 0; --i) {
-        if (i < m) { dn -= gv[i + 1]; sg[i] = dn; }
-      }
+      if (valid == 16) anchor_offsets<true>(gv, m, sg);
+      else anchor_offsets<false>(gv, m, sg);
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         const int r = sb * 16 + i;
