@@ -19,6 +19,11 @@ void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t
 extern template void launch_forward<__nv_bfloat16>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
 extern template void launch_forward<__half>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
 extern template void launch_forward<float>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
+template <typename InT>
+ForwardSmem forward_smem(const ForwardConfig& cfg);
+extern template ForwardSmem forward_smem<__nv_bfloat16>(const ForwardConfig&);
+extern template ForwardSmem forward_smem<__half>(const ForwardConfig&);
+extern template ForwardSmem forward_smem<float>(const ForwardConfig&);
 
 template <typename PoolT>
 void launch_decode(const DecodeArgs& a, const DecodeConfig& cfg, cudaStream_t stream);
@@ -53,6 +58,33 @@ int sm_count(int device) {
     cache[device] = n;
   }
   return cache[device];
+}
+
+// Opt-in shared memory per block (H100/H200: 227 KB, A100: 163 KB, sm_86/89: 99 KB). KDAKIT_SMEM_LIMIT lowers it
+// (tests on a large GPU emulate smaller ones); it never raises it.
+size_t smem_limit(int device) {
+  static int cache[64] = {};
+  int n = 0;
+  if (device >= 0 && device < 64 && cache[device] > 0) {
+    n = cache[device];
+  } else {
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess || n <= 0) {
+      cudaGetLastError();
+      n = 48 * 1024;
+    }
+    if (device >= 0 && device < 64) cache[device] = n;
+  }
+  const char* env = std::getenv("KDAKIT_SMEM_LIMIT");
+  const long cap = env != nullptr ? std::atol(env) : 0;
+  return cap > 0 && cap < n ? static_cast<size_t>(cap) : static_cast<size_t>(n);
+}
+
+ForwardSmem forward_smem_of(DType in, const ForwardConfig& cfg) {
+  switch (in) {
+    case DType::kBFloat16: return forward_smem<__nv_bfloat16>(cfg);
+    case DType::kFloat16: return forward_smem<__half>(cfg);
+    default: return forward_smem<float>(cfg);
+  }
 }
 
 DynPtr dyn(const TensorView& t) {
@@ -170,6 +202,37 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
     if (want == 16 || want == 32 || (want == 64 && fp.cfg.KP <= 128) || (want == 128 && wide128)) {
       bv = want;
     }
+  }
+  // Fit the device's shared memory: the chosen width first with its prefetch stage, then without, then narrower
+  // tiles (A100: bf16 K = 128 runs 64-column tiles with one stage). The tile never changes a result.
+  {
+    const size_t limit = smem_limit(pr.device_index);
+    const DType in = p.in.q.dtype;
+    ForwardConfig c = fp.cfg;
+    bool fit = false;
+    for (int w = bv; w >= 16 && !fit; w /= 2) {
+      for (const bool one : {false, true}) {
+        c.BV = w;
+        c.one_stage = one;
+        if (forward_smem_of(in, c).recurrence <= limit) {
+          fit = true;
+          break;
+        }
+      }
+    }
+    const ForwardSmem need = forward_smem_of(in, c);
+    if (!fit || need.prepare > limit) {
+      const bool rec = !fit;
+      throw CudaError("kdakit: the chunked forward's " + std::string(rec ? "recurrence" : "prepare") +
+                      " kernel needs " + std::to_string(rec ? need.recurrence : need.prepare) +
+                      " bytes of shared memory per block for " + dtype_name(in) + " inputs with K = " +
+                      std::to_string(pr.K) + " (chunk_size " + std::to_string(p.chunk_size) + "); device " +
+                      std::to_string(pr.device_index) + " allows " + std::to_string(limit) +
+                      (in == DType::kBFloat16 ? "" : "; bfloat16 inputs need about half") +
+                      (!rec && p.chunk_size == 64 ? "; chunk_size=32 halves the prepare kernel's tiles" : ""));
+    }
+    bv = c.BV;
+    fp.cfg.one_stage = c.one_stage;
   }
   fp.cfg.BV = bv;
   auto align = [](size_t x) { return (x + 255) & ~size_t(255); };

@@ -220,6 +220,30 @@ def test_against_fla(shape):
     assert rel_rms(ht, fht) <= rel_rms(ht, rht) + rel_rms(fht, rht) + 1e-3
 
 
+# Devices with less shared memory per block than Hopper (A100: 163 KB, sm_86/89: 99 KB), emulated on this GPU with
+# KDAKIT_SMEM_LIMIT: the forward picks tiles that fit (narrower, or without the recurrence's prefetch stage), which
+# changes no bit; what cannot fit fails with an error that names the shared memory. KDAKIT_FORWARD_BV=64 makes the
+# A100 limit take the one-stage 64-column recurrence.
+@pytest.mark.parametrize("limit", [166912, 101376])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("bv", [None, "64"])
+def test_smaller_shared_memory(monkeypatch, limit, dtype, K, bv):
+    if bv is not None:
+        monkeypatch.setenv("KDAKIT_FORWARD_BV", bv)
+    x = make(2, 700, 2, 4, K, dtype=dtype)
+    o, ht = run(x)
+    monkeypatch.setenv("KDAKIT_SMEM_LIMIT", str(limit))
+    if dtype == torch.float32 and limit < 120 * 1024:  # the fp32 prepare kernel takes 118 KB at chunk 64
+        with pytest.raises(kdakit.CudaError, match="shared memory"):
+            run(x)
+        if K == 64:  # chunk 32 and a 32-column recurrence fit
+            check(x, chunk_size=32)
+        return
+    o2, ht2 = run(x)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2), "the tiles chosen for less shared memory changed the result"
+
+
 # Intra-card context parallelism: segments of a long sequence run side by side (scan, merge, recurrence). The
 # overrides make short sequences split: segments of >= 2 chunks, up to `target` of them per sequence.
 def _force_segments(monkeypatch, target=4, tokens=128):

@@ -11,7 +11,13 @@ namespace kdakit::cuda {
 struct ForwardConfig {
   int chunk = 64;  // 32 or 64
   int KP = 64;     // K padded: 64, 128, 256
-  int BV = 64;     // value columns per recurrence CTA: 16, 32, 64
+  int BV = 64;     // value columns per recurrence CTA: 16, 32, 64, 128
+  bool one_stage = false;  // the recurrence without its prefetch stage (devices with less shared memory)
+};
+
+// Shared memory per block (bytes) the forward's kernels need for a configuration.
+struct ForwardSmem {
+  size_t prepare = 0, recurrence = 0;
 };
 
 struct TokenTensor {  // [B,T,heads,dim] with a contiguous last dimension

@@ -5,4 +5,5 @@
 
 namespace kdakit::cuda {
 template void launch_forward<__half>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
+template ForwardSmem forward_smem<__half>(const ForwardConfig&);
 }  // namespace kdakit::cuda

@@ -5,4 +5,5 @@
 
 namespace kdakit::cuda {
 template void launch_forward<float>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
+template ForwardSmem forward_smem<float>(const ForwardConfig&);
 }  // namespace kdakit::cuda

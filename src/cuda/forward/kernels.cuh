@@ -641,13 +641,14 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
 
 // ---- recurrence ------------------------------------------------------------------------------------------
 
-template <typename Elem, int KP, int BV>
+template <typename Elem, int KP, int BV, bool ONE_STAGE = false>
 struct RecurrenceLayout {
   static constexpr int PAD = smem_pad<Elem>();
   static constexpr int LDK = KP + PAD, LDB = BV + PAD, LDA = 64 + PAD;
   // Two stages (the next chunk's tiles prefetched) where they fit; 128-column tiles (one CTA per head: a single wave
   // where 64-column tiles would need 1-2) fit one.
-  static constexpr int STAGES = (sizeof(Elem) == 2 && KP <= 128 && BV <= 64) ? 2 : 1;
+  // ONE_STAGE: devices with less shared memory per block than Hopper (A100, sm_86/89) drop the prefetch stage.
+  static constexpr int STAGES = (!ONE_STAGE && sizeof(Elem) == 2 && KP <= 128 && BV <= 64) ? 2 : 1;
   // Split operands at K = 256 do not fit three [64][KP] tiles: w, qg and kg then take turns in one buffer.
   static constexpr bool ONE_TILE = sizeof(Elem) == 4 && KP > 128;
   static constexpr int TILES = ONE_TILE ? 1 : 3;
@@ -696,9 +697,9 @@ __device__ __forceinline__ bool segment_sequence(const ForwardArgs& a, int64_t g
 // merged one. SCAN = true: the context-parallel pre-scan of a segment that is not a sequence's last: no outputs; the
 // value tiles run from zero (segment 0: from the caller's state) and give E; the K / BV extra "transition" tiles
 // run the same recurrence with u = 0 from the identity and give M. Both end in ws_seg.
-template <typename Elem, int KP, int BV, bool SCAN>
+template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE = false>
 __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kernel(const ForwardArgs a) {
-  using L = RecurrenceLayout<Elem, KP, BV>;
+  using L = RecurrenceLayout<Elem, KP, BV, ONE_STAGE>;
   using Op = Operand<Elem>;
   constexpr int NT = RecurrenceWarps<BV>::THREADS;
   constexpr int HB = RecurrenceWarps<BV>::COLS;  // columns per warp

@@ -38,10 +38,10 @@ void launch_prepare(const ForwardArgs& a, cudaStream_t stream) {
   check_launch("prepare_kernel");
 }
 
-template <typename Elem, int KP, int BV, bool SCAN>
+template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE>
 void launch_recurrence_kind(const ForwardArgs& a, cudaStream_t stream) {
-  using L = RecurrenceLayout<Elem, KP, BV>;
-  auto kernel = recurrence_kernel<Elem, KP, BV, SCAN>;
+  using L = RecurrenceLayout<Elem, KP, BV, ONE_STAGE>;
+  auto kernel = recurrence_kernel<Elem, KP, BV, SCAN, ONE_STAGE>;
   set_smem(kernel, L::bytes());
   const int64_t tiles = (a.V + BV - 1) / BV + (SCAN ? KP / BV : 0);
   const int64_t ctas = a.num_segments * a.HV * tiles;
@@ -50,17 +50,70 @@ void launch_recurrence_kind(const ForwardArgs& a, cudaStream_t stream) {
 }
 
 // The recurrence; with context parallelism first the segment scan and the merge of the segments' start states.
+// ONE_STAGE variants exist only where the default layout has two stages.
 template <typename Elem, int KP, int BV>
-void launch_recurrence(const ForwardArgs& a, cudaStream_t stream) {
+constexpr bool kHasOneStage = RecurrenceLayout<Elem, KP, BV>::STAGES == 2;
+
+template <typename Elem, int KP, int BV, bool ONE_STAGE>
+void launch_recurrence_staged(const ForwardArgs& a, cudaStream_t stream) {
   if (a.seg_offsets != nullptr) {
-    launch_recurrence_kind<Elem, KP, BV, true>(a, stream);
+    launch_recurrence_kind<Elem, KP, BV, true, ONE_STAGE>(a, stream);
     auto merge = segment_merge_kernel<KP>;
     set_smem(merge, MergeLayout<KP>::bytes());
     const int64_t ctas = int64_t(a.N) * a.HV * ((a.seg_ld - KP + kMergeCols - 1) / kMergeCols);
     merge<<<static_cast<unsigned>(ctas), kMergeThreads, MergeLayout<KP>::bytes(), stream>>>(a);
     check_launch("segment_merge_kernel");
   }
-  launch_recurrence_kind<Elem, KP, BV, false>(a, stream);
+  launch_recurrence_kind<Elem, KP, BV, false, ONE_STAGE>(a, stream);
+}
+
+template <typename Elem, int KP, int BV>
+void launch_recurrence(const ForwardArgs& a, bool one_stage, cudaStream_t stream) {
+  if constexpr (kHasOneStage<Elem, KP, BV>) {
+    if (one_stage) {
+      launch_recurrence_staged<Elem, KP, BV, true>(a, stream);
+      return;
+    }
+  }
+  launch_recurrence_staged<Elem, KP, BV, false>(a, stream);
+}
+
+// Shared memory per block of prepare_kernel<InT, Elem, C, KP> and of the recurrence for a configuration, as launched
+// (the same dispatch as launch_forward): lets the host pick tiles that fit the device.
+template <typename InT>
+ForwardSmem forward_smem(const ForwardConfig& cfg) {
+  using Elem = typename std::conditional<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16, float>::type;
+  ForwardSmem r;
+  auto per_kp = [&](auto kp_tag) {
+    constexpr int KP = decltype(kp_tag)::value;
+    r.prepare = cfg.chunk == 32 ? PrepareLayout<InT, Elem, 32, KP>::bytes() : PrepareLayout<InT, Elem, 64, KP>::bytes();
+    auto rec = [&](auto bv_tag) {
+      constexpr int BV = decltype(bv_tag)::value;
+      if constexpr (kHasOneStage<Elem, KP, BV>) {
+        if (cfg.one_stage) return RecurrenceLayout<Elem, KP, BV, true>::bytes();
+      }
+      return RecurrenceLayout<Elem, KP, BV>::bytes();
+    };
+    switch (cfg.BV) {
+      case 16: r.recurrence = rec(std::integral_constant<int, 16>()); break;
+      case 32: r.recurrence = rec(std::integral_constant<int, 32>()); break;
+      case 128:
+        if constexpr (KP <= 128 && sizeof(Elem) == 2) {
+          r.recurrence = rec(std::integral_constant<int, 128>());
+          break;
+        }
+        [[fallthrough]];
+      default:
+        if constexpr (KP <= 128) r.recurrence = rec(std::integral_constant<int, 64>());
+        else r.recurrence = rec(std::integral_constant<int, 32>());
+    }
+  };
+  switch (cfg.KP) {
+    case 64: per_kp(std::integral_constant<int, 64>()); break;
+    case 128: per_kp(std::integral_constant<int, 128>()); break;
+    default: per_kp(std::integral_constant<int, 256>()); break;
+  }
+  return r;
 }
 
 template <typename InT>
@@ -84,17 +137,17 @@ void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t
   auto rec = [&](auto kp_tag) {
     constexpr int KP = decltype(kp_tag)::value;
     switch (cfg.BV) {
-      case 16: launch_recurrence<Elem, KP, 16>(a, stream); break;
-      case 32: launch_recurrence<Elem, KP, 32>(a, stream); break;
+      case 16: launch_recurrence<Elem, KP, 16>(a, cfg.one_stage, stream); break;
+      case 32: launch_recurrence<Elem, KP, 32>(a, cfg.one_stage, stream); break;
       case 128:
         if constexpr (KP <= 128 && sizeof(Elem) == 2) {
-          launch_recurrence<Elem, KP, 128>(a, stream);
+          launch_recurrence<Elem, KP, 128>(a, cfg.one_stage, stream);
           break;
         }
         [[fallthrough]];
       default:
-        if constexpr (KP <= 128) launch_recurrence<Elem, KP, 64>(a, stream);
-        else launch_recurrence<Elem, KP, 32>(a, stream);
+        if constexpr (KP <= 128) launch_recurrence<Elem, KP, 64>(a, cfg.one_stage, stream);
+        else launch_recurrence<Elem, KP, 32>(a, cfg.one_stage, stream);
     }
   };
   switch (cfg.KP) {
