@@ -140,7 +140,7 @@ struct ForwardPlan {
   int VP = 64;
   size_t esz = 2;
   int64_t slots = 0;
-  size_t off_offsets = 0, off_w = 0, off_qg = 0, off_kg = 0, off_u = 0, off_a = 0, off_gam = 0, total = 0;
+  size_t off_offsets = 0, off_w = 0, off_qg = 0, off_kg = 0, off_u = 0, off_a = 0, off_alo = 0, off_gam = 0, total = 0;
   // Context parallelism (ForwardArgs::seg_target): off when seg_target == 1.
   int seg_target = 1, seg_min_chunks = 0, seg_ld = 0;
   int64_t segments = 0;  // segment slots (the sequences without cuts)
@@ -244,6 +244,7 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
   fp.off_kg = off; off = align(off + tiles * C * fp.cfg.KP * fp.esz);
   fp.off_u = off;  off = align(off + tiles * C * fp.VP * fp.esz);
   fp.off_a = off;  off = align(off + tiles * C * C * fp.esz);
+  if (fp.esz == 2) { fp.off_alo = off; off = align(off + tiles * C * C * fp.esz); }  // Aqk's lo half
   fp.off_gam = off; off = align(off + tiles * fp.cfg.KP * 4);
   fp.segments = pr.N;
   if (fp.seg_target > 1) {
@@ -346,6 +347,7 @@ void forward(const ForwardParams& p, const detail::Plan& plan, void* stream) {
   a.ws_kg = ws + fp.off_kg;
   a.ws_u = ws + fp.off_u;
   a.ws_a = ws + fp.off_a;
+  a.ws_alo = fp.esz == 2 ? ws + fp.off_alo : nullptr;
   a.ws_gam = reinterpret_cast<float*>(ws + fp.off_gam);
   a.KP = fp.cfg.KP;
   a.VP = fp.VP;

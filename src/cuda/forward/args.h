@@ -50,6 +50,7 @@ struct ForwardArgs {
   void* ws_kg = nullptr;  // [slot][HV][C][KP] Elem
   void* ws_u = nullptr;   // [slot][HV][C][VP] Elem
   void* ws_a = nullptr;   // [slot][HV][C][C] Elem (scale folded in, zero above the diagonal)
+  void* ws_alo = nullptr; // [slot][HV][C][C] bf16 operands only: Aqk - bf16(Aqk), so Aqk v_new runs on hi + lo
   float* ws_gam = nullptr;  // [slot][HV][KP]
   int KP = 64, VP = 64;
 

@@ -260,6 +260,7 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
   Elem* ws_w = static_cast<Elem*>(a.ws_w) + ws_tile * C * KP;
   Elem* ws_u = static_cast<Elem*>(a.ws_u) + ws_tile * C * a.VP;
   Elem* ws_a = static_cast<Elem*>(a.ws_a) + ws_tile * C * C;
+  Elem* ws_alo = sizeof(Elem) == 2 ? static_cast<Elem*>(a.ws_alo) + ws_tile * C * C : nullptr;
   float* ws_gam = a.ws_gam + ws_tile * KP;
 
   extern __shared__ __align__(16) char smem_raw[];
@@ -511,22 +512,35 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
   if (has_block) {
     const int r0 = 16 * ab, upper = C - 16 * (ab + 1);
     if (role == 0) {
+      // bf16 operands: Aqk as hi + lo (the hi tile is the plain rounding). With one token (T = 1) the two S terms of
+      // the output largely cancel, and Aqk's rounding is the largest error left (tools/rounding_model.py).
+      auto store_a = [&](int off, float x0, float x1) {
+        if constexpr (sizeof(Elem) == 2) {
+          uint32_t hi, lo;
+          split_pack(x0, x1, hi, lo);
+          *reinterpret_cast<uint32_t*>(ws_a + off) = hi;
+          *reinterpret_cast<uint32_t*>(ws_alo + off) = lo;
+        } else {
+          Op::store2(ws_a + off, x0, x1);
+        }
+      };
       for_each_acc<1, NOFF>([&](int, int nt, int e, int row, int col) {
         if (2 * ab > nt && (e & 1) == 0) {
-          Op::store2(ws_a + (r0 + row) * C + col, a.scale * acc[0][nt].x[e], a.scale * acc[0][nt].x[e + 1]);
+          store_a((r0 + row) * C + col, a.scale * acc[0][nt].x[e], a.scale * acc[0][nt].x[e + 1]);
         }
       });
       for_each_acc<1, 2>([&](int, int nt, int e, int row, int col) {
         if ((e & 1) == 0) {
-          Op::store2(ws_a + (r0 + row) * C + r0 + col, col <= row ? a.scale * dacc[0][nt].x[e] : 0.f,
-                     col + 1 <= row ? a.scale * dacc[0][nt].x[e + 1] : 0.f);
+          store_a((r0 + row) * C + r0 + col, col <= row ? a.scale * dacc[0][nt].x[e] : 0.f,
+                  col + 1 <= row ? a.scale * dacc[0][nt].x[e + 1] : 0.f);
         }
       });
       constexpr int EPC_E = 16 / sizeof(Elem);
       const int pieces = upper / EPC_E;
       for (int e = lane; e < 16 * pieces; e += 32) {
-        *reinterpret_cast<uint4*>(ws_a + (r0 + e / pieces) * C + 16 * (ab + 1) + (e % pieces) * EPC_E) =
-            make_uint4(0u, 0u, 0u, 0u);
+        const int off = (r0 + e / pieces) * C + 16 * (ab + 1) + (e % pieces) * EPC_E;
+        *reinterpret_cast<uint4*>(ws_a + off) = make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (sizeof(Elem) == 2) *reinterpret_cast<uint4*>(ws_alo + off) = make_uint4(0u, 0u, 0u, 0u);
       }
     } else {
       for_each_acc<1, NOFF>([&](int, int nt, int e, int row, int col) {
@@ -652,8 +666,10 @@ struct RecurrenceLayout {
   // Split operands at K = 256 do not fit three [64][KP] tiles: w, qg and kg then take turns in one buffer.
   static constexpr bool ONE_TILE = sizeof(Elem) == 4 && KP > 128;
   static constexpr int TILES = ONE_TILE ? 1 : 3;
+  // bf16 operands also take Aqk's lo tile (Aqk v_new on hi + lo; see the prepare kernel's epilogue).
+  static constexpr bool SPLIT_A = sizeof(Elem) == 2;
   static constexpr size_t stage_bytes() {
-    return sizeof(Elem) * (TILES * 64 * LDK + 64 * LDB + 64 * LDA) + 4 * KP;
+    return sizeof(Elem) * (TILES * 64 * LDK + 64 * LDB + (SPLIT_A ? 2 : 1) * 64 * LDA) + 4 * KP;
   }
   static constexpr size_t stage_stride() { return (stage_bytes() + 15) & ~size_t(15); }
   // bf16 operands keep the chunk-start state as hi + lo tiles (two MMAs for w S and qg S): rounded once to bf16,
@@ -735,7 +751,7 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
 
   extern __shared__ __align__(16) char smem_raw[];
   struct Stage {
-    Elem *w, *q, *k, *u, *a;
+    Elem *w, *q, *k, *u, *a, *alo;
     float* gam;
   };
   auto stage = [&](int st) {
@@ -746,7 +762,8 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
     t.k = L::ONE_TILE ? t.w : t.q + 64 * L::LDK;
     t.u = t.w + L::TILES * 64 * L::LDK;
     t.a = t.u + 64 * L::LDB;
-    t.gam = reinterpret_cast<float*>(t.a + 64 * L::LDA);
+    t.alo = t.a + 64 * L::LDA;  // SPLIT_A only
+    t.gam = reinterpret_cast<float*>(t.a + (L::SPLIT_A ? 2 : 1) * 64 * L::LDA);
     return t;
   };
   Elem* sS = reinterpret_cast<Elem*>(smem_raw + L::STAGES * L::stage_stride());  // [KP][LDB]
@@ -808,9 +825,11 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
     if (!SCAN) {
       const Elem* ga = static_cast<const Elem*>(a.ws_a) + wtile * C * C;
       const int AC = C / EPC;
+      const Elem* galo = static_cast<const Elem*>(a.ws_alo) + wtile * C * C;
       for (int e = tid; e < C * AC; e += NT) {
         const int r = e / AC, c = (e % AC) * EPC;
         cp_async16(t.a + r * L::LDA + c, ga + r * C + c);
+        if constexpr (L::SPLIT_A) cp_async16(t.alo + r * L::LDA + c, galo + r * C + c);
       }
     }
     const float* gg = a.ws_gam + wtile * KP;
@@ -902,6 +921,9 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
       __syncthreads();
     }
     if (!SCAN && rows_here) {
+      if constexpr (L::SPLIT_A) {
+        warp_gemm<Elem, 1, NTV, false, true>(o, t.alo, L::LDA, 16 * w4, sVn + cb, L::LDB, 0, 0, w4 + 1);
+      }
       warp_gemm<Elem, 1, NTV, false, true>(o, t.a, L::LDA, 16 * w4, sVn + cb, L::LDB, 0, 0, w4 + 1);
       const int64_t orow0 = b * a.out_sb + (t0 + ci * C) * a.out_st + hv * a.out_sh;
       with_typed(a.out, [&](auto* op) {
