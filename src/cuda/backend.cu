@@ -550,6 +550,11 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
     throw InvalidArgument("q", "too many sequences x heads for one launch (" + std::to_string(cfg.ctas) + " CTAs)");
   }
   cfg.smem = smem_of(passes);
+  auto same_as_pool = [&](const DecodeState& o) {
+    return !o.present() || (o.dtype == pool.dtype && o.vec);
+  };
+  cfg.full = a.stage_state && pr.K == cfg.KP && pr.V % (int64_t(bv) * passes) == 0 && same_as_pool(a.final_state) &&
+             same_as_pool(a.token_states) && std::getenv("KDAKIT_DECODE_GENERAL") == nullptr;
 
   DeviceGuard guard(pr.device_index);
   auto s = static_cast<cudaStream_t>(stream);

@@ -459,7 +459,8 @@ def test_determinism_and_batch_invariance(seed):
     assert same_bits(o3, o1[:, s]) and same_bits(p3[6], p1[6]), "a sequence's result depends on its batch"
 
 
-TILINGS = [(w, p) for w in (1, 2, 4) for p in (1, 2, 4)]
+# (warps, passes, general): general "1" forces the masked form where the whole-tile (FULL) form would run.
+TILINGS = [(w, p, "") for w in (1, 2, 4) for p in (1, 2, 4)] + [(4, 1, "1"), (2, 4, "1")]
 
 
 @pytest.mark.parametrize("v_first", [False, True])
@@ -467,7 +468,8 @@ TILINGS = [(w, p) for w in (1, 2, 4) for p in (1, 2, 4)]
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 64), (100, 60), (256, 128)])
 def test_tilings_agree(seed, monkeypatch, v_first, pool_dtype, K, V):
     """Every launch shape (KDAKIT_DECODE_WARPS x KDAKIT_DECODE_PASSES: warps per CTA, column groups per CTA tile,
-    the state tile staged in shared memory) gives the same bits, and the oracle's results: T = 1 with [N] indices into
+    the state tile staged in shared memory; KDAKIT_DECODE_GENERAL: the masked form for whole tiles) gives the same
+    bits, and the oracle's results: T = 1 with [N] indices into
     a poisoned pool, verify-and-commit with [N, T] indices, and long varlen sequences (several staged batches per
     pass, an empty sequence)."""
     N, HV = 6, 4
@@ -496,9 +498,13 @@ def test_tilings_agree(seed, monkeypatch, v_first, pool_dtype, K, V):
         return [o1, p1, o2, p2, o3, ht3]
 
     base = None
-    for warps, passes in TILINGS:
+    for warps, passes, general in TILINGS:
         monkeypatch.setenv("KDAKIT_DECODE_WARPS", str(warps))
         monkeypatch.setenv("KDAKIT_DECODE_PASSES", str(passes))
+        if general:
+            monkeypatch.setenv("KDAKIT_DECODE_GENERAL", general)
+        else:
+            monkeypatch.delenv("KDAKIT_DECODE_GENERAL", raising=False)
         got = run_all()
         if base is None:
             base = got
@@ -524,7 +530,7 @@ def test_tilings_agree(seed, monkeypatch, v_first, pool_dtype, K, V):
             close("ht (varlen)", kv(ht3, v_first), final(rs, h0), tol(x3))
         else:
             for i, (g, b) in enumerate(zip(got, base)):
-                assert same_bits(g, b), f"result {i} differs with {warps} warps, {passes} passes"
+                assert same_bits(g, b), f"result {i} differs with {warps} warps, {passes} passes, general {general!r}"
 
 
 # ---- CUDA graphs, one launch per call, errors ------------------------------------------------------------------

@@ -343,14 +343,16 @@ __device__ __forceinline__ void vector_of(int vi, const Place& pl, int& off, int
   }
 }
 
+// bytes = 0: zero-fill (no initial state) without reading the pool.
 template <typename PoolT, bool VK, int KP>
-__device__ __forceinline__ void issue_block_async(const PoolT* p, const Place& pl, char* sm, int nthreads) {
+__device__ __forceinline__ void issue_block_async(const PoolT* p, const Place& pl, char* sm, int nthreads,
+                                                  int bytes = 16) {
   using L = Tile<PoolT, VK, KP>;
 #pragma unroll
   for (int vi = 0; vi < L::NVEC; ++vi) {
     int off, valid;
     vector_of<L, VK>(vi, pl, off, valid);
-    if (valid >= L::VEC) cp_async16(sm + size_t(vi) * nthreads * 16, p + pl.off + off, 16);
+    if (valid >= L::VEC) cp_async16(sm + size_t(vi) * nthreads * 16, p + pl.off + off, bytes);
   }
 }
 
@@ -389,11 +391,14 @@ __device__ __forceinline__ void load_block_staged(float (&S)[Tile<PoolT, VK, KP>
   }
 }
 
-// Outputs may differ in dtype from the pool (e.g. float32 token states next to a bf16 pool): run-time switch.
-template <typename L, bool VK>
+// Outputs may differ in dtype from the pool (e.g. float32 token states next to a bf16 pool): run-time switch, except
+// for FULL tiles (every state output is in the pool's dtype, vector-aligned).
+template <typename PoolT, typename L, bool VK, bool FULL>
 __device__ __forceinline__ void store_block(const float (&S)[L::NJ][L::ND], const DecodeState st, int64_t block,
                                             const Place& pl) {
-  if (st.dtype == DType::kBFloat16) {
+  if constexpr (FULL) {
+    store_block_t<PoolT, L, VK>(S, static_cast<PoolT*>(st.p) + block, pl, true);
+  } else if (st.dtype == DType::kBFloat16) {
     store_block_t<__nv_bfloat16, L, VK>(S, static_cast<__nv_bfloat16*>(st.p) + block, pl, st.vec);
   } else {
     store_block_t<float, L, VK>(S, static_cast<float*>(st.p) + block, pl, st.vec);
@@ -410,13 +415,20 @@ constexpr int decode_min_blocks() { return KP > 128 ? 2 : (!VK && L::NJ == 8 && 
 
 // The kernel takes its arguments by value (not __grid_constant__): ptxas then reads them from the constant bank at
 // every use instead of holding them in registers across the token loop.
-template <typename PoolT, bool VK, int KP>
+//
+// FULL (run-time facts the host checked): K == KP, the V tiles are whole, the state is staged, and every state
+// output has the pool's dtype and vector alignment. The tile's places then need no K / V masks and fold to
+// constants: the general form spends ~85% of its instructions on such bookkeeping (ncu, T1 N1024 H16 bf16 pool).
+template <typename PoolT, bool VK, int KP, bool FULL>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decode_detail::Tile<PoolT, VK, KP>, VK, KP>()))
     decode_kernel(const DecodeArgs a) {
   using namespace decode_detail;
   using L = Tile<PoolT, VK, KP>;
   constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL, GRP = L::GRP;
   constexpr int MC = kDecodeMaxTileCols / 32;  // tile columns per lane in the preparation
+  // FULL: K, V and the staging are known to the compiler (V only through "every tile is whole").
+  const bool stage_state = FULL || a.stage_state;
+  const int Kc = FULL ? KP : a.K, Vc = FULL ? (1 << 30) : a.V;
   const int nthreads = blockDim.x, nw = nthreads >> 5, bv = nw * kDecodeWarpCols;
   const int passes = a.passes, bvt = bv * passes;  // columns per pass; columns of the CTA tile
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -432,7 +444,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   const int tb = a.tb;
   const int es = a.q.dtype == DType::kFloat32 ? 4 : 2, bes = a.beta.dtype == DType::kFloat32 ? 4 : 2;
   const DecodeSmem lay(KP, tb, bvt,
-                       a.stage_state ? decode_state_tile_bytes(KP, int(sizeof(PoolT)), nthreads, passes) : 0);
+                       stage_state ? decode_state_tile_bytes(KP, int(sizeof(PoolT)), nthreads, passes) : 0);
   float* sQ = reinterpret_cast<float*>(smem + lay.q);     // [tb][KP] q * scale / |q|
   float* sK = reinterpret_cast<float*>(smem + lay.k);     // [tb][KP] k / |k|
   float* sA = reinterpret_cast<float*>(smem + lay.a);     // [tb][KP] exp(gate)
@@ -457,7 +469,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
 #pragma unroll
   for (int i = 0; i < NBIAS; ++i) {
     const int d = tid + i * nthreads;
-    bias_r[i] = use_bias && d < a.K ? a.dt_bias.load(int64_t(hv) * a.K + d) : 0.f;
+    bias_r[i] = use_bias && d < Kc ? a.dt_bias.load(int64_t(hv) * Kc + d) : 0.f;
   }
   const float alog_r = tid == 0 && a.A_log.present() ? a.A_log.load(hv) : 0.f;
   int64_t b64, t064, len64;
@@ -471,12 +483,12 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   int tok_slot = -1;
   auto stage = [&](int i0, int nb) {
     const int64_t s0 = int64_t(t0) + i0;
-    stage_rows(smem + lay.q, a.q, es, h, b, s0, nb, 0, KP, a.K, tid, nthreads);
-    stage_rows(smem + lay.k, a.k, es, h, b, s0, nb, 0, KP, a.K, tid, nthreads);
-    stage_rows(smem + lay.a, a.g, es, hv, b, s0, nb, 0, KP, a.K, tid, nthreads);
-    stage_rows(smem + lay.v, a.v, es, hv, b, s0, nb, col0, bvt, a.V, tid, nthreads);
+    stage_rows(smem + lay.q, a.q, es, h, b, s0, nb, 0, KP, Kc, tid, nthreads);
+    stage_rows(smem + lay.k, a.k, es, h, b, s0, nb, 0, KP, Kc, tid, nthreads);
+    stage_rows(smem + lay.a, a.g, es, hv, b, s0, nb, 0, KP, Kc, tid, nthreads);
+    stage_rows(smem + lay.v, a.v, es, hv, b, s0, nb, col0, bvt, Vc, tid, nthreads);
     if (a.beta_cols) {
-      stage_rows(smem + lay.beta, a.beta, bes, hv, b, s0, nb, col0, bvt, a.V, tid, nthreads);
+      stage_rows(smem + lay.beta, a.beta, bes, hv, b, s0, nb, col0, bvt, Vc, tid, nthreads);
     } else if (tid < nb) {  // one value per head, activated in step 2
       beta_raw = load_scalar(a.beta.p, a.beta.dtype, a.beta.offset(b, s0 + tid, hv));
     }
@@ -510,16 +522,29 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   // too, so that the group count is the same for every thread), and stay in flight while the token inputs are
   // prepared and while earlier passes compute.
   const int tile_vecs = L::NVEC * nthreads * 16;  // bytes of one pass in shared memory
-  if (a.stage_state) {
+  // Where a warp's vectors lie (FULL: K = KP and no masks, so offsets and bounds are compile-time where possible).
+  auto place = [&](int wcol0) {
+    if constexpr (FULL) {
+      const Place pf = place_of<L, VK>(KP, a.V, wcol0, lane);  // [K,V]: V is the row stride
+      return Place{pf.off, pf.step, 1 << 20, 1 << 20};
+    } else {
+      return place_of<L, VK>(Kc, Vc, wcol0, lane);
+    }
+  };
+  if (stage_state) {
     for (int p = 0; p < passes; ++p) {
-      if (has_src) {
-        const Place pp = place_of<L, VK>(a.K, a.V, col0 + p * bv + warp * kDecodeWarpCols, lane);
+      if (FULL) {  // without an initial state the copies zero-fill the tile (no zeroing branch per pass)
+        const Place pp = place(col0 + p * bv + warp * kDecodeWarpCols);
+        issue_block_async<PoolT, VK, KP>(has_src ? src() : static_cast<const PoolT*>(a.initial.p), pp,
+                                         sState + size_t(p) * tile_vecs, nthreads, has_src ? 16 : 0);
+      } else if (has_src) {
+        const Place pp = place(col0 + p * bv + warp * kDecodeWarpCols);
         issue_block_async<PoolT, VK, KP>(src(), pp, sState + size_t(p) * tile_vecs, nthreads);
       }
       cp_async_commit();
     }
   }
-  const int state_groups = a.stage_state ? passes : 0;
+  const int state_groups = stage_state ? passes : 0;
 
   // The head's gate parameters to shared memory (read by step 2 of every batch).
   float* sBias = reinterpret_cast<float*>(smem + lay.bias);
@@ -537,18 +562,18 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   for (int p = 0; p < passes; ++p) {
     const int pc0 = p * bv;                                  // the pass's first column within the tile
     const int wcol0 = col0 + pc0 + warp * kDecodeWarpCols;  // this warp's first value column
-    const Place pl = place_of<L, VK>(a.K, a.V, wcol0, lane);
+    const Place pl = place(wcol0);
     float S[NJ][ND];
     // The pass's state into registers: its own copies are complete once at most the later passes' groups are in
     // flight. Without an initial state: zero.
     auto load_pass = [&]() {
-      if (a.stage_state) {
+      if (stage_state) {
         cp_async_wait_pending(passes - 1 - p);
-        if (has_src) load_block_staged<PoolT, VK, KP>(S, src(), pl, sState + size_t(p) * tile_vecs, nthreads);
+        if (FULL || has_src) load_block_staged<PoolT, VK, KP>(S, src(), pl, sState + size_t(p) * tile_vecs, nthreads);
       } else if (has_src) {
-        load_block<PoolT, VK, KP>(S, src(), pl, a.initial.vec);
+        load_block<PoolT, VK, KP>(S, src(), pl, a.initial.vec);  // never FULL
       }
-      if (!has_src) {
+      if (!FULL && !has_src) {
 #pragma unroll
         for (int jj = 0; jj < NJ; ++jj) {
 #pragma unroll
@@ -616,7 +641,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
             for (int i = 0; i < KL; ++i) {
               const int d = lane + 32 * i;
               // keys past K hold zero state; any finite factor works
-              g[d] = d < a.K ? fast_exp2(gate.log2_gate(a.gate_mode != 0 ? x[i] + sBias[d] : x[i])) : 0.f;
+              g[d] = d < Kc ? fast_exp2(gate.log2_gate(a.gate_mode != 0 ? x[i] + sBias[d] : x[i])) : 0.f;
             }
             // v and beta of the tile's columns (the raw rows are other memory than the gate's).
             float* v = sV + tt * bvt;
@@ -690,7 +715,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
         for (int jj = 0; jj < NJ; ++jj) {
           const int cl = pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane);  // column within the CTA tile
           e[jj] = sB[tt * bvt + cl] * (sV[tt * bvt + cl] - pk[jj]);
-          if (leader && col0 + cl < a.V) a.out.store(orow + cl, fmaf(qk, e[jj], pq[jj]));
+          if (leader && col0 + cl < Vc) a.out.store(orow + cl, fmaf(qk, e[jj], pq[jj]));
         }
 #pragma unroll
         for (int dd = 0; dd < ND; dd += GRP) {
@@ -703,15 +728,15 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
           }
         }
         if (a.token_states.present()) {
-          store_block<L, VK>(S, a.token_states, a.token_states.block(int64_t(b) * a.T + s, hv), pl);
+          store_block<PoolT, L, VK, FULL>(S, a.token_states, a.token_states.block(int64_t(b) * a.T + s, hv), pl);
         }
         if (per_token) {
           const int w = sSlot[tt];
-          if (w >= 0) store_block<L, VK>(S, a.final_state, a.final_state.block(w, hv), pl);
+          if (w >= 0) store_block<PoolT, L, VK, FULL>(S, a.final_state, a.final_state.block(w, hv), pl);
         }
       }
     }
-    if (wslot >= 0) store_block<L, VK>(S, a.final_state, a.final_state.block(wslot, hv), pl);
+    if (wslot >= 0) store_block<PoolT, L, VK, FULL>(S, a.final_state, a.final_state.block(wslot, hv), pl);
   }
 }
 
