@@ -7,7 +7,8 @@ rounding makes the output error, and what a change of the algebra would give. In
 At T = 1 the kernel computes o = (q e^G) S + Aqk (u - w S) with, as bf16: q e^G, k e^G, beta (the Tm diag(beta)
 operand), w, u, Aqk and its operands, v_new (the MMA operand) and o. The model prints the error spread with every
 rounding, with each one removed, and for the rewritten form o = (q e^G - Aqk w) S + Aqk u (the cancellation between
-the two S terms done in fp32 inside the prepare kernel, one rounding of the difference).
+the two S terms done in fp32 inside the prepare kernel, one rounding of the difference), with Aqk u formed in the
+prepare kernel or in the recurrence.
 """
 import sys
 
@@ -61,15 +62,21 @@ def current(x, rounded):
     return err(o, ref)
 
 
-def rewritten(x, bf16_operands):
+def rewritten(x, mode):
+    """mode "split": q e^G - Aqk w and Aqk u formed in the prepare kernel from split (hi + lo) operands (~16
+    significant bits, modelled as exact), each rounded once; "bf16": the same from bf16 operands; "recurrence":
+    q e^G - Aqk w from split operands in the prepare kernel, Aqk u in the recurrence from the bf16 Aqk and u tiles
+    (fp32 accumulation, added to (q e^G - Aqk w) S before the output's rounding: no Aqk lo tile)."""
     qn, kn, G, b, v, S0, sc, ref = prepared(x)
     qg = sc * qn * G.exp()
     w, u = bf(b)[..., None] * bf(kn * G.exp()), bf(b)[..., None] * v
     A = sc * (bf(qn) * bf(kn)).sum(-1, keepdim=True)
-    if bf16_operands:
+    if mode == "bf16":
         qp, au = bf(qg - bf(A) * bf(w)), bf(bf(A) * bf(u))
-    else:  # split (hi + lo) operands: ~16 significant bits, modelled as exact
+    elif mode == "split":
         qp, au = bf(qg - A * w), bf(A * u)
+    else:
+        qp, au = bf(qg - A * w), bf(A) * bf(u)
     return err(bf(torch.einsum("nhk,nhkv->nhv", qp, S0) + au), ref)
 
 
@@ -86,8 +93,9 @@ def main(argv):
     for name in ROUNDINGS:
         print(f"{'without ' + name:34s}", spread([current(x, set(ROUNDINGS) - {name}) for x in xs]))
     print(f"{'only the output':34s}", spread([current(x, {'o'}) for x in xs]))
-    print(f"{'(qg - A w) S + A u, split operands':34s}", spread([rewritten(x, False) for x in xs]))
-    print(f"{'(qg - A w) S + A u, bf16 operands':34s}", spread([rewritten(x, True) for x in xs]))
+    print(f"{'(qg - A w) S + A u, split operands':34s}", spread([rewritten(x, "split") for x in xs]))
+    print(f"{'(qg - A w) S + A u, bf16 operands':34s}", spread([rewritten(x, "bf16") for x in xs]))
+    print(f"{'(qg - A w) S + A u, A u in recur.':34s}", spread([rewritten(x, "recurrence") for x in xs]))
 
 
 if __name__ == "__main__":
