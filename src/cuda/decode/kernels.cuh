@@ -533,13 +533,11 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   };
   if (stage_state) {
     for (int p = 0; p < passes; ++p) {
-      if (FULL) {  // without an initial state the copies zero-fill the tile (no zeroing branch per pass)
-        const Place pp = place(col0 + p * bv + warp * kDecodeWarpCols);
-        issue_block_async<PoolT, VK, KP>(has_src ? src() : static_cast<const PoolT*>(a.initial.p), pp,
+      // FULL without an initial state: the copies zero-fill the tile (no zeroing branch per pass).
+      if (FULL || has_src) {
+        issue_block_async<PoolT, VK, KP>(has_src ? src() : static_cast<const PoolT*>(a.initial.p),
+                                         place(col0 + p * bv + warp * kDecodeWarpCols),
                                          sState + size_t(p) * tile_vecs, nthreads, has_src ? 16 : 0);
-      } else if (has_src) {
-        const Place pp = place(col0 + p * bv + warp * kDecodeWarpCols);
-        issue_block_async<PoolT, VK, KP>(src(), pp, sState + size_t(p) * tile_vecs, nthreads);
       }
       cp_async_commit();
     }

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <type_traits>
 
 #include "cuda/forward/kernels.cuh"
 #include "kdakit/error.h"
@@ -25,6 +26,35 @@ inline void set_smem(Kernel kernel, size_t bytes) {
       throw CudaError(std::string("kdakit: shared memory request of ") + std::to_string(bytes) +
                       " bytes failed: " + cudaGetErrorString(err));
     }
+  }
+}
+
+// The compile-time shapes a configuration runs as, for launch_forward and forward_smem alike: f(KP) for cfg.KP
+// (64, 128, else 256), and f(BV) for the recurrence tile cfg.BV (128 only for bf16 operands with KP <= 128; 64 where
+// KP <= 128 and 32 at KP = 256 otherwise).
+template <typename F>
+void with_kp(int KP, F&& f) {
+  switch (KP) {
+    case 64: f(std::integral_constant<int, 64>()); break;
+    case 128: f(std::integral_constant<int, 128>()); break;
+    default: f(std::integral_constant<int, 256>()); break;
+  }
+}
+
+template <typename Elem, int KP, typename F>
+void with_bv(int BV, F&& f) {
+  switch (BV) {
+    case 16: f(std::integral_constant<int, 16>()); break;
+    case 32: f(std::integral_constant<int, 32>()); break;
+    case 128:
+      if constexpr (KP <= 128 && sizeof(Elem) == 2) {
+        f(std::integral_constant<int, 128>());
+        break;
+      }
+      [[fallthrough]];
+    default:
+      if constexpr (KP <= 128) f(std::integral_constant<int, 64>());
+      else f(std::integral_constant<int, 32>());
   }
 }
 
@@ -84,35 +114,17 @@ template <typename InT>
 ForwardSmem forward_smem(const ForwardConfig& cfg) {
   using Elem = typename std::conditional<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16, float>::type;
   ForwardSmem r;
-  auto per_kp = [&](auto kp_tag) {
+  with_kp(cfg.KP, [&](auto kp_tag) {
     constexpr int KP = decltype(kp_tag)::value;
     r.prepare = cfg.chunk == 32 ? PrepareLayout<InT, Elem, 32, KP>::bytes() : PrepareLayout<InT, Elem, 64, KP>::bytes();
-    auto rec = [&](auto bv_tag) {
+    with_bv<Elem, KP>(cfg.BV, [&](auto bv_tag) {
       constexpr int BV = decltype(bv_tag)::value;
+      r.recurrence = RecurrenceLayout<Elem, KP, BV>::bytes();
       if constexpr (kHasOneStage<Elem, KP, BV>) {
-        if (cfg.one_stage) return RecurrenceLayout<Elem, KP, BV, true>::bytes();
+        if (cfg.one_stage) r.recurrence = RecurrenceLayout<Elem, KP, BV, true>::bytes();
       }
-      return RecurrenceLayout<Elem, KP, BV>::bytes();
-    };
-    switch (cfg.BV) {
-      case 16: r.recurrence = rec(std::integral_constant<int, 16>()); break;
-      case 32: r.recurrence = rec(std::integral_constant<int, 32>()); break;
-      case 128:
-        if constexpr (KP <= 128 && sizeof(Elem) == 2) {
-          r.recurrence = rec(std::integral_constant<int, 128>());
-          break;
-        }
-        [[fallthrough]];
-      default:
-        if constexpr (KP <= 128) r.recurrence = rec(std::integral_constant<int, 64>());
-        else r.recurrence = rec(std::integral_constant<int, 32>());
-    }
-  };
-  switch (cfg.KP) {
-    case 64: per_kp(std::integral_constant<int, 64>()); break;
-    case 128: per_kp(std::integral_constant<int, 128>()); break;
-    default: per_kp(std::integral_constant<int, 256>()); break;
-  }
+    });
+  });
   return r;
 }
 
@@ -122,39 +134,19 @@ void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t
   chunk_offsets_kernel<<<1, 1024, 0, stream>>>(a);
   check_launch("chunk_offsets_kernel");
   if (a.num_slots > 0) {
-    auto prep = [&](auto c_tag) {
-      constexpr int C = decltype(c_tag)::value;
-      switch (cfg.KP) {
-        case 64: launch_prepare<InT, Elem, C, 64>(a, stream); break;
-        case 128: launch_prepare<InT, Elem, C, 128>(a, stream); break;
-        default: launch_prepare<InT, Elem, C, 256>(a, stream); break;
-      }
-    };
-    if (cfg.chunk == 32) prep(std::integral_constant<int, 32>());
-    else prep(std::integral_constant<int, 64>());
+    with_kp(cfg.KP, [&](auto kp_tag) {
+      constexpr int KP = decltype(kp_tag)::value;
+      if (cfg.chunk == 32) launch_prepare<InT, Elem, 32, KP>(a, stream);
+      else launch_prepare<InT, Elem, 64, KP>(a, stream);
+    });
   }
   if (a.N == 0) return;
-  auto rec = [&](auto kp_tag) {
+  with_kp(cfg.KP, [&](auto kp_tag) {
     constexpr int KP = decltype(kp_tag)::value;
-    switch (cfg.BV) {
-      case 16: launch_recurrence<Elem, KP, 16>(a, cfg.one_stage, stream); break;
-      case 32: launch_recurrence<Elem, KP, 32>(a, cfg.one_stage, stream); break;
-      case 128:
-        if constexpr (KP <= 128 && sizeof(Elem) == 2) {
-          launch_recurrence<Elem, KP, 128>(a, cfg.one_stage, stream);
-          break;
-        }
-        [[fallthrough]];
-      default:
-        if constexpr (KP <= 128) launch_recurrence<Elem, KP, 64>(a, cfg.one_stage, stream);
-        else launch_recurrence<Elem, KP, 32>(a, cfg.one_stage, stream);
-    }
-  };
-  switch (cfg.KP) {
-    case 64: rec(std::integral_constant<int, 64>()); break;
-    case 128: rec(std::integral_constant<int, 128>()); break;
-    default: rec(std::integral_constant<int, 256>()); break;
-  }
+    with_bv<Elem, KP>(cfg.BV, [&](auto bv_tag) {
+      launch_recurrence<Elem, KP, decltype(bv_tag)::value>(a, cfg.one_stage, stream);
+    });
+  });
 }
 
 }  // namespace kdakit::cuda
