@@ -546,8 +546,12 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   cfg.passes = a.passes = passes;
   a.vtiles = static_cast<int>((pr.V + int64_t(bv) * passes - 1) / (int64_t(bv) * passes));
   cfg.ctas = pr.N * pr.HV * a.vtiles;
-  if (cfg.ctas > 0x7fffffff) {
-    throw InvalidArgument("q", "too many sequences x heads for one launch (" + std::to_string(cfg.ctas) + " CTAs)");
+  // The grid is (N, HV, vtiles): y and z are limited to 65535 (vtiles <= V / 8 <= 32).
+  if (pr.N > 0x7fffffff) {
+    throw InvalidArgument("q", "at most 2147483647 sequences per decode call, got " + std::to_string(pr.N));
+  }
+  if (pr.HV > 65535) {
+    throw InvalidArgument("v", "at most 65535 value heads for the CUDA decode, got " + std::to_string(pr.HV));
   }
   cfg.smem = smem_of(passes);
   auto same_as_pool = [&](const DecodeState& o) {

@@ -33,8 +33,8 @@ def report(name, label, fn, x):
     total = 0.0
     for k, v in sorted(rows.items(), key=lambda kv: -sum(kv[1])):
         total += sum(v) / REPS
-        print(f"  {sum(v) / REPS / 1e3:8.3f} ms/call  {len(v) // REPS:3d}x  {k[:110]}")
-    print(f"  {total / 1e3:8.3f} ms/call  kernels in all")
+        print(f"  {sum(v) / REPS / 1e3:9.4f} ms/call  {len(v) // REPS:3d}x  {k[:110]}")
+    print(f"  {total / 1e3:9.4f} ms/call  kernels in all")
 
 
 def main(names):

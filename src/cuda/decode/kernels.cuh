@@ -38,6 +38,18 @@
 #include "common/kda_math.h"
 #include "cuda/decode/args.h"
 
+// Latency analysis builds only (-DKDAKIT_DECODE_STAMPS): thread 0 of every 16th CTA prints the SM clock at each
+// phase of its first pass (tools/gpu/decode_stamps.py reads them).
+#ifdef KDAKIT_DECODE_STAMPS
+#include <cstdio>
+#define KDAKIT_STAMP(i) \
+  do { if (threadIdx.x == 0) asm volatile("mov.u64 %0, %%clock64;" : "=l"(stamp_[i])::"memory"); } while (0)
+#else
+#define KDAKIT_STAMP(i) \
+  do {                  \
+  } while (0)
+#endif
+
 namespace kdakit::cuda {
 namespace decode_detail {
 
@@ -141,23 +153,27 @@ __device__ __forceinline__ float fast_beta(float raw, bool use_sigmoid, bool neg
 
 // Copies columns [c0, c0 + ncols) of nb token rows of head `head` into the tails of nb float rows of shared
 // memory (raw dtype of es bytes at byte offset (4 - es) * ncols of each row), zero past column `limit`. 16-byte
-// asynchronous copies where the tensor allows (t.vec), element copies otherwise.
+// asynchronous copies where the tensor allows (t.vec), element copies otherwise. `lane` of `nlanes` threads share
+// the copies (one warp per tensor: the four tensors' address arithmetic runs in parallel, not one after the
+// other). ncols is a power of two (KP, or the CTA tile's 8 * warps * passes columns), so rows and columns of a
+// copy index are a shift and a mask.
 __device__ __forceinline__ void stage_rows(char* dst, const DecodeRows t, int es, int head, int64_t b, int64_t s0,
-                                           int nb, int c0, int ncols, int limit, int tid, int nthreads) {
+                                           int nb, int c0, int ncols, int limit, int lane, int nlanes) {
   const char* src = static_cast<const char*>(t.p);
   dst += (4 - es) * ncols;
   const size_t row = 4 * size_t(ncols);
   if (t.vec) {
-    const int epc = 16 / es, cpr = ncols / epc;  // elements per copy, copies per row
-    for (int e = tid; e < nb * cpr; e += nthreads) {
-      const int tt = e / cpr, c = c0 + (e - tt * cpr) * epc;
+    const int epc = 16 / es, cpr = ncols / epc, sh = __ffs(cpr) - 1;  // elements per copy, copies per row (2^sh)
+    for (int e = lane; e < nb * cpr; e += nlanes) {
+      const int tt = e >> sh, c = c0 + (e & (cpr - 1)) * epc;
       const int n_el = limit - c < 0 ? 0 : (limit - c < epc ? limit - c : epc);
       const char* from = n_el > 0 ? src + (t.offset(b, s0 + tt, head) + c) * es : src;
       cp_async16(dst + tt * row + size_t(c - c0) * es, from, n_el * es);
     }
   } else {
-    for (int e = tid; e < nb * ncols; e += nthreads) {
-      const int tt = e / ncols, c = c0 + (e - tt * ncols);
+    const int sh = __ffs(ncols) - 1;
+    for (int e = lane; e < nb * ncols; e += nlanes) {
+      const int tt = e >> sh, c = c0 + (e & (ncols - 1));
       const int64_t off = t.offset(b, s0 + tt, head) + c;
       char* to = dst + tt * row + size_t(c - c0) * es;
       if (es == 4) *reinterpret_cast<uint32_t*>(to) = c < limit ? __ldg(reinterpret_cast<const uint32_t*>(src) + off) : 0u;
@@ -423,6 +439,12 @@ template <typename PoolT, bool VK, int KP, bool FULL>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decode_detail::Tile<PoolT, VK, KP>, VK, KP>()))
     decode_kernel(const DecodeArgs a) {
   using namespace decode_detail;
+#ifdef KDAKIT_DECODE_STAMPS
+  long long stamp_[11] = {};
+  unsigned long long gt0_;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt0_)::"memory");
+#endif
+  KDAKIT_STAMP(0);
   using L = Tile<PoolT, VK, KP>;
   constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL, GRP = L::GRP;
   constexpr int MC = kDecodeMaxTileCols / 32;  // tile columns per lane in the preparation
@@ -432,11 +454,8 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   const int nthreads = blockDim.x, nw = nthreads >> 5, bv = nw * kDecodeWarpCols;
   const int passes = a.passes, bvt = bv * passes;  // columns per pass; columns of the CTA tile
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  int64_t bid = blockIdx.x;
-  const int vt = static_cast<int>(bid % a.vtiles);
-  bid /= a.vtiles;
-  const int hv = static_cast<int>(bid % a.HV);
-  const int n = static_cast<int>(bid / a.HV);
+  // Grid (N, HV, vtiles): no divisions on the way to the slot load.
+  const int n = static_cast<int>(blockIdx.x), hv = static_cast<int>(blockIdx.y), vt = static_cast<int>(blockIdx.z);
   const int h = hv / a.group;
   const int col0 = vt * bvt;  // the CTA's first value column
 
@@ -454,6 +473,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   int* sSlot = reinterpret_cast<int*>(smem + lay.slot);   // [tb] per-token slot (2-D indices)
   char* sState = smem + lay.state + size_t(tid) * 16;     // this thread's staged state vectors
   const DType in_dt = a.q.dtype;
+  KDAKIT_STAMP(1);
 
   // Per-sequence scalars: every load is issued before any is used. Slot rules: src/cpu/state.h (plan_slots).
   const bool idx2d = a.state_indices.present() && a.idx_2d;
@@ -475,6 +495,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   int64_t b64, t064, len64;
   a.sequence(n, b64, t064, len64);
   const int b = static_cast<int>(b64), t0 = static_cast<int>(t064), len = static_cast<int>(len64);  // < 2^31
+  KDAKIT_STAMP(2);
 
   // Step 1 of a token batch: raw inputs into shared memory by asynchronous copies, all in flight at once, committed
   // as one group. The scalars (headwise beta, per-token slots) go through registers; `commit` stores them once they
@@ -483,13 +504,18 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   int tok_slot = -1;
   auto stage = [&](int i0, int nb) {
     const int64_t s0 = int64_t(t0) + i0;
-    stage_rows(smem + lay.q, a.q, es, h, b, s0, nb, 0, KP, Kc, tid, nthreads);
-    stage_rows(smem + lay.k, a.k, es, h, b, s0, nb, 0, KP, Kc, tid, nthreads);
-    stage_rows(smem + lay.a, a.g, es, hv, b, s0, nb, 0, KP, Kc, tid, nthreads);
-    stage_rows(smem + lay.v, a.v, es, hv, b, s0, nb, col0, bvt, Vc, tid, nthreads);
-    if (a.beta_cols) {
-      stage_rows(smem + lay.beta, a.beta, bes, hv, b, s0, nb, col0, bvt, Vc, tid, nthreads);
-    } else if (tid < nb) {  // one value per head, activated in step 2
+    // Tensor i (q, k, g, v, then beta per column) is copied by warp i % nw: the tensors' address arithmetic runs
+    // in parallel on the warps, not one after the other on every thread.
+    const int ntensors = a.beta_cols ? 5 : 4;
+    for (int i = warp; i < ntensors; i += nw) {
+      const bool rows_k = i < 3;  // q, k, g: K columns; v, beta: the tile's columns
+      const DecodeRows& t = i == 0 ? a.q : i == 1 ? a.k : i == 2 ? a.g : i == 3 ? a.v : a.beta;
+      const size_t off = i == 0 ? lay.q : i == 1 ? lay.k : i == 2 ? lay.a : i == 3 ? lay.v : lay.beta;
+      stage_rows(smem + off, t, i == 4 ? bes : es, i == 0 || i == 1 ? h : hv, b, s0, nb, rows_k ? 0 : col0,
+                 rows_k ? KP : bvt, rows_k ? Kc : Vc, lane, 32);
+    }
+    KDAKIT_STAMP(3);
+    if (!a.beta_cols && tid < nb) {  // one value per head, activated in step 2
       beta_raw = load_scalar(a.beta.p, a.beta.dtype, a.beta.offset(b, s0 + tid, hv));
     }
     if (per_token && tid < nb) {
@@ -507,6 +533,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
     __syncthreads();
   };
   if (len > 0) stage(0, static_cast<int>(len < tb ? len : tb));  // before the state: it does not wait for the slots
+  KDAKIT_STAMP(4);
 
   // The slots. Ids outside the pool are treated like -1 (no read, no write): the host cannot check device-side
   // indices without a synchronisation.
@@ -543,6 +570,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
     }
   }
   const int state_groups = stage_state ? passes : 0;
+  KDAKIT_STAMP(5);
 
   // The head's gate parameters to shared memory (read by step 2 of every batch).
   float* sBias = reinterpret_cast<float*>(smem + lay.bias);
@@ -589,13 +617,15 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
           commit(nb, 0);
         } else {
           commit(nb, state_groups);
+          KDAKIT_STAMP(6);
         }
 
-        // 2. Per token, one warp each for (a) the L2 norms and q.k and (b) the gate, v and the beta activation.
-        //    A warp reads its raw values into registers before widening them in place (__syncwarp between).
-        for (int task = warp; task < 2 * nb; task += nw) {
-          const int tt = task >> 1;
-          if ((task & 1) == 0) {
+        // 2. Per token, one warp each for (a) the L2 norms and q.k, (b) the gate and (c) v and the beta
+        //    activation (three tasks: at T = 1 three of four warps work, and the gate's chain is not followed by
+        //    v's). A warp reads its raw values into registers before widening them in place (__syncwarp between).
+        for (int task = warp; task < 3 * nb; task += nw) {
+          const int tt = task / 3, kind = task - 3 * tt;
+          if (kind == 0) {
             float* q = sQ + tt * KP;
             float* k = sK + tt * KP;
             const char* rq = reinterpret_cast<const char*>(q) + (4 - es) * KP;
@@ -627,7 +657,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
               k[lane + 32 * i] = xk[i] * nk;
             }
             if (lane == 0) sQK[tt] = qk * qs * nk;
-          } else {
+          } else if (kind == 1) {
             float* g = sA + tt * KP;
             const char* rg = reinterpret_cast<const char*>(g) + (4 - es) * KP;
             float x[KL];
@@ -641,7 +671,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
               // keys past K hold zero state; any finite factor works
               g[d] = d < Kc ? fast_exp2(gate.log2_gate(a.gate_mode != 0 ? x[i] + sBias[d] : x[i])) : 0.f;
             }
-            // v and beta of the tile's columns (the raw rows are other memory than the gate's).
+          } else {  // v and beta of the tile's columns
             float* v = sV + tt * bvt;
             float* bt = sB + tt * bvt;
             const char* rv = reinterpret_cast<const char*>(v) + (4 - es) * bvt;
@@ -668,9 +698,11 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
           }
         }
         __syncthreads();
+        if (p == 0 && i0 == 0) KDAKIT_STAMP(7);
       }
 
-      if (i0 == 0) load_pass();  // after the first preparation, which the state's copies overlap
+      if (i0 == 0) load_pass();
+      if (p == 0 && i0 == 0) KDAKIT_STAMP(8);  // after the first preparation, which the state's copies overlap
 
       // 3. The tokens, state in registers.
       for (int tt = 0; tt < nb; ++tt) {
@@ -735,7 +767,21 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
       }
     }
     if (wslot >= 0) store_block<PoolT, L, VK, FULL>(S, a.final_state, a.final_state.block(wslot, hv), pl);
+    if (p == 0) KDAKIT_STAMP(9);
   }
+  KDAKIT_STAMP(10);
+#ifdef KDAKIT_DECODE_STAMPS
+  if (threadIdx.x == 0 && (blockIdx.x + blockIdx.y * gridDim.x + blockIdx.z * gridDim.x * gridDim.y) % 16 == 0) {
+    unsigned long long gt1;
+    unsigned smid;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt1)::"memory");
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    long long d[10];
+    for (int i = 0; i < 10; ++i) d[i] = stamp_[i + 1] - stamp_[0];
+    printf("STAMP blk %d sm %u warps %d passes %d gt %llu %llu clk %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
+           int(blockIdx.x), smid, nw, passes, gt0_, gt1, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9]);
+  }
+#endif
 }
 
 }  // namespace kdakit::cuda

@@ -14,7 +14,8 @@ namespace kdakit::cuda {
 template <typename PoolT, bool VK, int KP>
 void launch_decode_kernel(const DecodeArgs& a, const DecodeConfig& cfg, cudaStream_t stream) {
   auto kernel = cfg.full ? decode_kernel<PoolT, VK, KP, true> : decode_kernel<PoolT, VK, KP, false>;
-  kernel<<<static_cast<unsigned>(cfg.ctas), 32 * cfg.warps, cfg.smem, stream>>>(a);
+  const dim3 grid(static_cast<unsigned>(a.N), static_cast<unsigned>(a.HV), static_cast<unsigned>(a.vtiles));
+  kernel<<<grid, 32 * cfg.warps, cfg.smem, stream>>>(a);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw CudaError(std::string("kdakit: decode_kernel launch failed: ") + cudaGetErrorString(err));
 }
