@@ -501,16 +501,17 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   a.out_st = p.out.strides[1];
   a.out_sh = p.out.strides[2];
 
-  // Launch shape. Every warp owns 8 value columns; CTAs of 4 warps share the staged token inputs, smaller ones
-  // spread a small batch over more SMs (N = 1, H = 16: 256 warps as 128 CTAs of 2).
+  // Launch shape. Every warp owns 8 value columns; CTAs of 4 warps (fewer only where V has fewer columns) share the
+  // staged token inputs and split the per-CTA chain (staging, preparation) over more warps. Smaller CTAs for small
+  // batches spread them over more SMs but lengthen each CTA's chain: 4 warps were faster at every N of the
+  // benchmark (tools/gpu/decode_tilings.py; docs/perf-notes.md).
   DecodeConfig cfg;
   cfg.KP = pr.K <= 64 ? 64 : (pr.K <= 128 ? 128 : 256);
   cfg.vk = vk;
   const int64_t col_warps = (pr.V + kDecodeWarpCols - 1) / kDecodeWarpCols;
   const int sms = sm_count(pr.device_index);
-  auto ctas = [&](int w) { return pr.N * pr.HV * ((col_warps + w - 1) / w); };
   int warps = kDecodeMaxWarps;
-  while (warps > 1 && (warps / 2 >= col_warps || ctas(warps) < (3 * sms) / 4)) warps /= 2;
+  while (warps > 1 && warps / 2 >= col_warps) warps /= 2;
   if (const int w = decode_warps_override()) warps = w;  // developer override for tuning; results do not change
   cfg.warps = warps;
   const int bv = warps * kDecodeWarpCols;
@@ -520,9 +521,10 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   a.tb = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(longest, tb_max)));
   // The state tile is staged in shared memory (cp.async, all issued up front) where the pool allows 16-byte copies,
   // so the loads in flight per SM are bounded by shared memory, not registers. Passes: a CTA tile of up to 32 KB of
-  // state (2 x 32 fp32 or 4 x 32 bf16 columns of K = 128), which puts >= 128 KB of loads in flight per SM; only
-  // where there are CTAs to spare (small batches keep more, smaller CTAs for latency), and within the 48 KB of
-  // dynamic shared memory a launch gets without opting in.
+  // state (2 x 32 fp32 or 4 x 32 bf16 columns of K = 128), which puts >= 128 KB of loads in flight per SM, where the
+  // grid still has >= 16 CTAs per SM (large batches); tiles up to 16 KB where it has >= 3 per SM (mid-size batches:
+  // fewer, longer CTAs than one pass, without a 32 KB tile's serial chain); one pass otherwise (small batches:
+  // latency). Within the 48 KB of dynamic shared memory a launch gets without opting in.
   a.stage_state = a.initial.present() && a.initial.vec;
   const int pool_bytes = bf16_pool ? 2 : 4;
   auto smem_of = [&](int passes) {
@@ -534,8 +536,9 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   int passes = 1;
   for (const int P : {4, 2}) {
     if (!a.stage_state) break;
-    if (P > col_tiles || decode_state_tile_bytes(cfg.KP, pool_bytes, 32 * warps, P) > 32768 || smem_of(P) > 49152) continue;
-    if (pr.N * pr.HV * ((col_tiles + P - 1) / P) < 4 * int64_t(sms)) continue;
+    const size_t tile = decode_state_tile_bytes(cfg.KP, pool_bytes, 32 * warps, P);
+    if (P > col_tiles || tile > 32768 || smem_of(P) > 49152) continue;
+    if (pr.N * pr.HV * ((col_tiles + P - 1) / P) < (tile > 16384 ? 16 : 3) * int64_t(sms)) continue;
     passes = P;
     break;
   }
