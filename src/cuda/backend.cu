@@ -548,7 +548,6 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   }
   cfg.passes = a.passes = passes;
   a.vtiles = static_cast<int>((pr.V + int64_t(bv) * passes - 1) / (int64_t(bv) * passes));
-  cfg.ctas = pr.N * pr.HV * a.vtiles;
   // The grid is (N, HV, vtiles): y and z are limited to 65535 (vtiles <= V / 8 <= 32).
   if (pr.N > 0x7fffffff) {
     throw InvalidArgument("q", "at most 2147483647 sequences per decode call, got " + std::to_string(pr.N));

@@ -15,7 +15,7 @@ and the spread of the CTAs' start times and the span from the first start to the
 import statistics
 import sys
 
-PHASES = ["setup", "scalars issued", "first copies issued", "inputs issued", "state issued", "inputs landed", "prepared",
+PHASES = ["setup", "scalars issued", "own tensor staged", "inputs issued", "state issued", "inputs landed", "prepared",
           "state landed", "pass 0 done", "end"]
 
 

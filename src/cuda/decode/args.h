@@ -50,7 +50,6 @@ struct DecodeConfig {
   int warps = 4;      // 1, 2 or 4 per CTA
   int passes = 1;     // 1, 2 or 4 column groups per CTA tile
   size_t smem = 0;    // dynamic shared memory, bytes
-  int64_t ctas = 0;   // N * HV * vtiles
   bool full = false;  // whole tiles: K == KP, V a multiple of the CTA tile, staged state, state outputs in the pool's
                       // dtype and aligned (the kernel's FULL form, without masks)
 };

@@ -701,8 +701,8 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
         if (p == 0 && i0 == 0) KDAKIT_STAMP(7);
       }
 
-      if (i0 == 0) load_pass();
-      if (p == 0 && i0 == 0) KDAKIT_STAMP(8);  // after the first preparation, which the state's copies overlap
+      if (i0 == 0) load_pass();  // after the first preparation, which the state's copies overlap
+      if (p == 0 && i0 == 0) KDAKIT_STAMP(8);
 
       // 3. The tokens, state in registers.
       for (int tt = 0; tt < nb; ++tt) {
@@ -771,15 +771,16 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   }
   KDAKIT_STAMP(10);
 #ifdef KDAKIT_DECODE_STAMPS
-  if (threadIdx.x == 0 && (blockIdx.x + blockIdx.y * gridDim.x + blockIdx.z * gridDim.x * gridDim.y) % 16 == 0) {
+  const long long block_id = blockIdx.x + gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
+  if (threadIdx.x == 0 && block_id % 16 == 0) {
     unsigned long long gt1;
     unsigned smid;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt1)::"memory");
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
     long long d[10];
     for (int i = 0; i < 10; ++i) d[i] = stamp_[i + 1] - stamp_[0];
-    printf("STAMP blk %d sm %u warps %d passes %d gt %llu %llu clk %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
-           int(blockIdx.x), smid, nw, passes, gt0_, gt1, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9]);
+    printf("STAMP blk %lld sm %u warps %d passes %d gt %llu %llu clk %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
+           block_id, smid, nw, passes, gt0_, gt1, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9]);
   }
 #endif
 }
