@@ -533,6 +533,54 @@ def test_tilings_agree(seed, monkeypatch, v_first, pool_dtype, K, V):
                 assert same_bits(g, b), f"result {i} differs with {warps} warps, {passes} passes, general {general!r}"
 
 
+# One token per sequence (the serving decode): the register-prepared form, with a fall-back to the general path
+# inside the launch for varlen calls whose lengths the host cannot read.
+ONE_TOKEN_CASES = [  # (lengths, fixed length, input dtype, gate, beta)
+    ([1] * 7, True, torch.bfloat16, "lower_bound", "logit"),
+    ([1] * 7, False, torch.float16, "softplus", "cols"),
+    ([1, 0, 2, 1, 1, 0, 2], False, torch.float32, "pre", "prob"),  # at most N tokens: empty and 2-token sequences too
+]
+
+
+@pytest.mark.parametrize("lens,fixed,dtype,gate,beta", ONE_TOKEN_CASES)
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_one_token_form(seed, monkeypatch, lens, fixed, dtype, gate, beta, K, v_first, pool_dtype):
+    """Against the oracle (GVA, -1 slots, has_initial_state, poisoned pool, caller out) and bit for bit against the
+    general form (KDAKIT_DECODE_GENERAL): a sequence's result does not depend on which form ran it."""
+    N, HV = len(lens), 4
+    x = make(lens, 2, HV, K, dtype=dtype, fixed=fixed, gate=gate, beta=beta, neg=beta == "cols")
+    P = 3 * N
+    idx = torch.randperm(P, device=DEV)[:N].to(torch.int32)
+    idx[3] = -1
+    has = torch.tensor([True, False, True, True, True, True, False], device=DEV)
+    pool = make_pool(P, HV, K, K, pool_dtype, v_first, idx[idx >= 0])
+
+    def run():
+        p = pool.clone()
+        out = torch.full_like(x["v"], float("nan"))
+        o, _ = call(x, p, state_v_first=v_first, ssm_state_indices=idx, has_initial_state=has, out=out)
+        assert o is out
+        torch.cuda.synchronize()
+        return o, p
+
+    monkeypatch.delenv("KDAKIT_DECODE_GENERAL", raising=False)
+    o, p = run()
+    monkeypatch.setenv("KDAKIT_DECODE_GENERAL", "1")
+    og, pg = run()
+    h0 = h0_from_pool(pool, idx.tolist(), v_first, has.tolist())
+    ro, rs = oracle(x, h0)
+    close("o", o, ro, tol(x, dtype))
+    for n, s in enumerate(idx.tolist()):
+        if s >= 0:
+            close(f"slot {s}", kv(p[s], v_first), rs[n][-1] if rs[n] else h0[n], tol(x, pool_dtype))
+    untouched = torch.ones(P, dtype=torch.bool, device=DEV)
+    untouched[idx[idx >= 0].long()] = False
+    assert same_bits(p[untouched], pool[untouched])
+    assert same_bits(o, og) and same_bits(p, pg), "the one-token and the general form differ"
+
+
 # ---- CUDA graphs, one launch per call, errors ------------------------------------------------------------------
 
 def test_cuda_graph_capture_and_replay(seed):
@@ -579,16 +627,16 @@ def _cuda_kernels(fn):
     return [e.name for e in events]
 
 
-@pytest.mark.parametrize("mode", ["decode", "spec_commit", "verify"])
+@pytest.mark.parametrize("mode", ["one_token", "decode", "spec_commit", "verify"])
 def test_one_launch_per_call(seed, mode):
-    lens = [3, 1, 4]
+    lens = [1, 1, 1] if mode == "one_token" else [3, 1, 4]
     x = make(lens, 2, 4, 128, dtype=torch.bfloat16)
     N = len(lens)
     idx2 = torch.arange(4 * N, device=DEV, dtype=torch.int32).reshape(N, 4)
     pool = make_pool(4 * N, 4, 128, 128, torch.float32, True, range(4 * N))
     out = torch.empty_like(x["v"])
     kw = dict(state_v_first=True, out=out)
-    if mode == "decode":
+    if mode in ("one_token", "decode"):
         kw.update(ssm_state_indices=idx2[:, 0].contiguous())
     elif mode == "spec_commit":
         kw.update(ssm_state_indices=idx2, num_accepted_tokens=torch.tensor([1, 1, 2], device=DEV, dtype=torch.int32))

@@ -17,6 +17,9 @@ import sys
 
 PHASES = ["setup", "scalars issued", "own tensor staged", "inputs issued", "state issued", "inputs landed", "prepared",
           "state landed", "pass 0 done", "end"]
+# The one-token form (printed with 0 passes): its own phases.
+PHASES_ONE = ["scalars issued", "inputs issued", "state issued", "inputs landed", "norms", "prepared", "state landed",
+              "math done", "stored", "end"]
 
 
 def run(names):
@@ -50,19 +53,23 @@ def parse(path):
             gt0, gt1 = int(f[10]), int(f[11])
             clk = [int(v) for v in f[13:13 + len(PHASES)]]
             cur["blocks"].append((gt0, gt1, clk, int(f[6]), int(f[8])))
-    print(f"| row | call | CTAs | tile | start spread | span | " + " | ".join(PHASES) + " |")
-    print("|---" * (6 + len(PHASES)) + "|")
+    header = None
     for c in calls:
         b = c["blocks"]
         if not b:
             continue
+        names = PHASES_ONE if b[0][4] == 0 else PHASES
+        if names is not header:
+            header = names
+            print(f"| row | call | CTAs | tile | start spread | span | " + " | ".join(names) + " |")
+            print("|---" * (6 + len(names)) + "|")
         start = min(x[0] for x in b)
         # cycles -> ns from each block's own span (its clock over its globaltimer interval)
         rate = statistics.median(x[2][-1] / max(1, x[1] - x[0]) for x in b)  # cycles per ns
         ph = [statistics.median(x[2][i] for x in b) / rate / 1e3 for i in range(len(PHASES))]
         spread = (max(x[0] for x in b) - start) / 1e3
         span = (max(x[1] for x in b) - start) / 1e3
-        tile = f"{b[0][3]}w x {b[0][4]}p"
+        tile = f"{b[0][3]}w x {b[0][4]}p" if b[0][4] else f"{b[0][3]}w, one token"
         print(f"| {c['name']} | {len(b)} | {tile} | {spread:.2f} | {span:.2f} | "
               + " | ".join(f"{v:.2f}" for v in ph) + " |")
     print("(CTAs: the printed ones, every 16th; times in us; clock rate from each CTA's own span)")

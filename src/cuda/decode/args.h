@@ -52,6 +52,9 @@ struct DecodeConfig {
   size_t smem = 0;    // dynamic shared memory, bytes
   bool full = false;  // whole tiles: K == KP, V a multiple of the CTA tile, staged state, state outputs in the pool's
                       // dtype and aligned (the kernel's FULL form, without masks)
+  bool one = false;   // at most one token per sequence (the kernel's ONE form, register preparation): K == KP <= 128,
+                      // whole one-pass V tiles, vector-aligned q, k, g rows, states absent or aligned in the pool's
+                      // dtype, 1-D or no slot indices, no per-token states
 };
 
 // Dynamic shared memory of one CTA, byte offsets (host and device agree on it). Float rows: q * scale / |q|,

@@ -44,10 +44,27 @@
 #include <cstdio>
 #define KDAKIT_STAMP(i) \
   do { if (threadIdx.x == 0) asm volatile("mov.u64 %0, %%clock64;" : "=l"(stamp_[i])::"memory"); } while (0)
+// The clock once the float `val` has landed (an instruction that reads it, then the clock).
+#define KDAKIT_STAMP_AFTER(i, val)                                                                           \
+  do {                                                                                                       \
+    if (threadIdx.x == 0) {                                                                                  \
+      float d_;                                                                                              \
+      asm volatile("{add.f32 %1, %2, 0f00000000;\n mov.u64 %0, %%clock64;}" : "=l"(stamp_[i]), "=f"(d_) : "f"(val) \
+                   : "memory");                                                                              \
+      stamp_[i] += d_ == 123.25f;                                                                            \
+    }                                                                                                        \
+  } while (0)
+#define KDAKIT_STAMP_PARAM , long long* stamp_
+#define KDAKIT_STAMP_ARG , stamp_
 #else
 #define KDAKIT_STAMP(i) \
   do {                  \
   } while (0)
+#define KDAKIT_STAMP_AFTER(i, val) \
+  do {                           \
+  } while (0)
+#define KDAKIT_STAMP_PARAM
+#define KDAKIT_STAMP_ARG
 #endif
 
 namespace kdakit::cuda {
@@ -138,10 +155,28 @@ struct DecodeGate {
     a = has_A_log ? expf(A_log) : 1.f;
     coef = mode == 1 ? -a * kLog2e : lower_bound * kLog2e;
   }
-  __device__ __forceinline__ float log2_gate(float x) const {
-    if (mode == 0) return x * kLog2e;
-    if (mode == 1) return coef * (x > 20.f ? x : log1pf(fast_exp2(x * kLog2e)));  // softplus with FLA's threshold
+  template <int M>
+  __device__ __forceinline__ float log2_gate_of(float x) const {
+    if constexpr (M == 0) return x * kLog2e;
+    if constexpr (M == 1) return coef * (x > 20.f ? x : log1pf(fast_exp2(x * kLog2e)));  // softplus, FLA's threshold
     return __fdividef(coef, 1.f + fast_exp2(-a * kLog2e * x));  // coef * sigmoid(a x); 0 when the exponent overflows
+  }
+  __device__ __forceinline__ float log2_gate(float x) const {
+    return mode == 0 ? log2_gate_of<0>(x) : mode == 1 ? log2_gate_of<1>(x) : log2_gate_of<2>(x);
+  }
+  // exp(gate) of n raw values (+ bias): one branch on the mode for all of them, not one per value.
+  template <int NV>
+  __device__ __forceinline__ void exp_gates(const float* x, const float* bias, float* out) const {
+    if (mode == 0) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) out[i] = fast_exp2(log2_gate_of<0>(x[i] + bias[i]));
+    } else if (mode == 1) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) out[i] = fast_exp2(log2_gate_of<1>(x[i] + bias[i]));
+    } else {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) out[i] = fast_exp2(log2_gate_of<2>(x[i] + bias[i]));
+    }
   }
 };
 
@@ -421,6 +456,243 @@ __device__ __forceinline__ void store_block(const float (&S)[L::NJ][L::ND], cons
   }
 }
 
+
+// The squared norms of q and k and q.k over K, from lane l's raw values at keys l + 32 i (i < KP / 32): sums in i
+// order, then a butterfly over the warp. Both forms of the kernel reduce in this order, so that their results agree
+// to the bit.
+template <int KL>
+__device__ __forceinline__ void norm_sums(const float (&xq)[KL], const float (&xk)[KL], float& sq, float& sk, float& qk) {
+  sq = sk = qk = 0.f;
+#pragma unroll
+  for (int i = 0; i < KL; ++i) {
+    sq = fmaf(xq[i], xq[i], sq);
+    sk = fmaf(xk[i], xk[i], sk);
+    qk = fmaf(xq[i], xk[i], qk);
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    sq += __shfl_xor_sync(0xffffffffu, sq, m);
+    sk += __shfl_xor_sync(0xffffffffu, sk, m);
+    qk += __shfl_xor_sync(0xffffffffu, qk, m);
+  }
+}
+
+// ---- one token per sequence: the preparation in registers -----------------------------------------------------
+// Serving decode (every sequence has at most one token): each thread loads and prepares exactly the inputs it uses
+// -- q, k and the gate at its keys, v and beta at its columns -- in registers. No shared memory and no barrier, so
+// the warps never wait for each other, and a thread's chain is: slot -> state loads -> token math, with the loads
+// of the inputs in flight beside the slot's and their preparation under the state's latency.
+
+// RUN consecutive elements at p, widened. Aligned: the host checked that the tensor's 16-bit rows take 8-element
+// and its fp32 rows 4-element vectors, and RUN (2, 4 or 8) divides those runs.
+template <int RUN, typename In>
+__device__ __forceinline__ void load_run(const In* p, float* x) {
+  if constexpr (std::is_same<In, float>::value) {
+    if constexpr (RUN % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < RUN; i += 4) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(p + i));
+        x[i] = v.x; x[i + 1] = v.y; x[i + 2] = v.z; x[i + 3] = v.w;
+      }
+    } else {
+      static_assert(RUN == 2, "runs of 2, 4 or 8 keys");
+      const float2 v = __ldg(reinterpret_cast<const float2*>(p));
+      x[0] = v.x; x[1] = v.y;
+    }
+  } else {
+    uint32_t w[RUN / 2];
+    if constexpr (RUN == 8) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+      w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else if constexpr (RUN == 4) {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+      w[0] = v.x; w[1] = v.y;
+    } else {
+      static_assert(RUN == 2, "runs of 2, 4 or 8 keys");
+      w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
+    }
+#pragma unroll
+    for (int i = 0; i < RUN / 2; ++i) {
+      if constexpr (std::is_same<In, __nv_bfloat16>::value) {
+        x[2 * i] = bf16_lo(w[i]);
+        x[2 * i + 1] = bf16_hi(w[i]);
+      } else {
+        x[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
+        x[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+      }
+    }
+  }
+}
+
+// The whole call for this CTA's tile (one pass) when its sequence has at most one token; false (nothing done) when
+// it has more (varlen calls whose lengths the host could not read), for the general path to take over. Needs what
+// the host checked (DecodeConfig::one): K == KP, whole V tiles, vector-aligned token rows and states in the pool's
+// dtype, 1-D or no slot indices, no per-token states, q, k, v, g, beta and out of one dtype (In), dt_bias and A_log
+// float32. Element types are compile-time here: at small batches a CTA's time is mostly the fetch of the
+// instructions it runs (docs/perf-notes.md), and run-time dtype switches per load multiply them.
+template <typename PoolT, bool VK, int KP, typename In>
+__device__ __forceinline__ bool decode_one_token(const DecodeArgs& a KDAKIT_STAMP_PARAM) {
+  using L = Tile<PoolT, VK, KP>;
+  constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL;
+  constexpr int RUN = VK ? L::VEC : ND;  // consecutive keys of a thread
+  // The gate: VK threads that differ only in their value rows (lane bits 3, 4) hold the same keys; each computes a
+  // quarter of them and takes the rest by shuffles (the softplus is the preparation's longest part).
+  constexpr int QN = VK ? ND / 4 : ND;
+  static_assert(!VK || QN <= L::VEC, "a quarter of a thread's keys lies in one run");
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int n = static_cast<int>(blockIdx.x), hv = static_cast<int>(blockIdx.y);
+  const int h = a.group == 1 ? hv : hv / a.group;
+  const int wcol0 = (static_cast<int>(blockIdx.z) * (blockDim.x >> 5) + warp) * kDecodeWarpCols;
+
+  // Scalars and token inputs: every load is issued before any is used (the inputs' offsets do not depend on the
+  // slot; with cu_seqlens they wait for the sequence's start).
+  const int64_t slot1 = a.state_indices.present() ? a.state_indices.load_int(n * a.idx_s0) : n;
+  const int64_t has = a.has_initial_state.present() ? a.has_initial_state.load_int(n * a.has_stride) : 1;
+  int64_t b, t0, len;
+  a.sequence(n, b, t0, len);
+  if (len > 1) return false;
+  KDAKIT_STAMP(1);
+  const bool tok = len == 1;
+  float xq[ND], xk[ND], xg[QN], bias[QN], xv[NJ], xb[NJ], nq_raw[KL], nk_raw[KL];
+  const int dd0 = VK ? (lane >> 3) * QN : 0;  // the first of this thread's gate keys (slot index)
+  const int gkey = key_of<L, VK>(dd0, lane);
+  float alog = 0.f;
+  if (tok) {
+    // Offsets in 32 bits (the host checked that every token tensor's do), pointers advanced by compile-time steps.
+    const int bi = static_cast<int>(b), ti = static_cast<int>(t0);
+    const In* q = static_cast<const In*>(a.q.p) + (bi * int(a.q.sb) + ti * int(a.q.st) + h * int(a.q.sh));
+    const In* k = static_cast<const In*>(a.k.p) + (bi * int(a.k.sb) + ti * int(a.k.st) + h * int(a.k.sh));
+    const int d0 = key_of<L, VK>(0, lane);
+#pragma unroll
+    for (int r = 0; r < ND / RUN; ++r) {
+      const int dr = key_of<L, VK>(r * RUN, 0) - key_of<L, VK>(0, 0);  // compile-time
+      load_run<RUN>(q + d0 + dr, &xq[r * RUN]);
+      load_run<RUN>(k + d0 + dr, &xk[r * RUN]);
+    }
+#pragma unroll
+    for (int i = 0; i < KL; ++i) {  // the norms' keys (norm_sums): loaded beside the thread's own, in flight together
+      nq_raw[i] = to_float(__ldg(q + lane + 32 * i));
+      nk_raw[i] = to_float(__ldg(k + lane + 32 * i));
+    }
+    load_run<QN>(static_cast<const In*>(a.g.p) + (bi * int(a.g.sb) + ti * int(a.g.st) + hv * int(a.g.sh) + gkey), xg);
+    if (a.gate_mode != 0 && a.dt_bias.present()) {
+      load_run<QN>(static_cast<const float*>(a.dt_bias.p) + hv * KP + gkey, bias);
+    } else {
+#pragma unroll
+      for (int i = 0; i < QN; ++i) bias[i] = 0.f;
+    }
+    alog = a.A_log.present() ? __ldg(static_cast<const float*>(a.A_log.p) + hv) : 0.f;
+    const In* v = static_cast<const In*>(a.v.p) + (bi * int(a.v.sb) + ti * int(a.v.st) + hv * int(a.v.sh) + wcol0);
+    const In* bt = static_cast<const In*>(a.beta.p) +
+                   (bi * int(a.beta.sb) + ti * int(a.beta.st) + hv * int(a.beta.sh) + (a.beta_cols ? wcol0 : 0));
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj) {
+      const int c = col_of<L, VK>(jj, lane);
+      xv[jj] = to_float(__ldg(v + c));
+      xb[jj] = to_float(__ldg(bt + (a.beta_cols ? c : 0)));
+    }
+  }
+  KDAKIT_STAMP(2);
+
+  // The slot (ids outside the pool: neither read nor written), then the state's loads, straight into registers.
+  const int rslot = !a.initial.present() || slot1 < 0 || slot1 >= a.initial.slots || has == 0 ? -1 : int(slot1);
+  const int wslot = !a.final_state.present() || slot1 < 0 || slot1 >= a.final_state.slots ? -1 : int(slot1);
+  const Place pf = place_of<L, VK>(KP, a.V, wcol0, lane);
+  const Place pl{pf.off, pf.step, 1 << 20, 1 << 20};
+  float S[NJ][ND];
+  if (rslot >= 0) {
+    load_block<PoolT, VK, KP>(S, static_cast<const PoolT*>(a.initial.p) + a.initial.block(rslot, hv), pl, true);
+  } else {
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj) {
+#pragma unroll
+      for (int dd = 0; dd < ND; ++dd) S[jj][dd] = 0.f;
+    }
+  }
+  KDAKIT_STAMP(3);
+
+  if (tok) {
+    KDAKIT_STAMP_AFTER(4, xq[ND - 1] + nq_raw[KL - 1] + xg[QN - 1]);
+    // The same operations in the same order as the general path (norm_sums, its preparation and token math): a
+    // sequence's bits do not depend on which form ran it.
+    float sq, sk, qk;
+    norm_sums<KL>(nq_raw, nk_raw, sq, sk, qk);
+    const float eps = static_cast<float>(math::kL2NormEps);
+    const float qs = (a.l2norm ? rsqrtf(sq + eps) : 1.f) * a.scale, nk = a.l2norm ? rsqrtf(sk + eps) : 1.f;
+    const float qkn = qk * qs * nk;
+    KDAKIT_STAMP_AFTER(5, qkn);
+#pragma unroll
+    for (int dd = 0; dd < ND; ++dd) {
+      xq[dd] *= qs;
+      xk[dd] *= nk;
+    }
+
+    const DecodeGate gate(a.gate_mode, alog, a.A_log.present(), a.lower_bound);
+    float gq[QN], gv[ND];
+    gate.exp_gates<QN>(xg, bias, gq);
+#pragma unroll
+    for (int dd = 0; dd < ND; ++dd) {
+      if constexpr (VK) gv[dd] = __shfl_sync(0xffffffffu, gq[dd % QN], (dd / QN) * 8 + (lane & 7));
+      else gv[dd] = gq[dd];
+    }
+    KDAKIT_STAMP_AFTER(6, gv[ND - 1]);
+    KDAKIT_STAMP_AFTER(7, S[NJ - 1][ND - 1]);
+
+    // The token: S *= exp(g); kS and qS in one pass; e = beta (v - kS); o = qS + (q.k) e; S += k e^T.
+    float pk[NJ], pq[NJ];
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj) pk[jj] = pq[jj] = 0.f;
+#pragma unroll
+    for (int dd = 0; dd < ND; ++dd) {
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj) {
+        const float s = S[jj][dd] * gv[dd];
+        S[jj][dd] = s;
+        pk[jj] = fmaf(xk[dd], s, pk[jj]);
+        pq[jj] = fmaf(xq[dd], s, pq[jj]);
+      }
+    }
+    const bool leader = VK ? (lane & 7) == 0 : lane < L::LV;
+    const int orow = int(b) * int(a.out_sb) + int(t0) * int(a.out_st) + hv * int(a.out_sh);
+    float e[NJ];
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj) {
+      pk[jj] = column_sum<L, VK>(pk[jj]);
+      pq[jj] = column_sum<L, VK>(pq[jj]);
+      e[jj] = fast_beta(xb[jj], a.beta_sigmoid, a.neg_eigval) * (xv[jj] - pk[jj]);
+      if (leader) static_cast<In*>(a.out.p)[orow + wcol0 + col_of<L, VK>(jj, lane)] = from_float<In>(fmaf(qkn, e[jj], pq[jj]));
+    }
+#pragma unroll
+    for (int dd = 0; dd < ND; ++dd) {
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj) S[jj][dd] = fmaf(xk[dd], e[jj], S[jj][dd]);
+    }
+    KDAKIT_STAMP_AFTER(8, S[NJ - 1][ND - 1]);
+  }
+  if (wslot >= 0) {
+    store_block_t<PoolT, L, VK>(S, static_cast<PoolT*>(a.final_state.p) + a.final_state.block(wslot, hv), pl, true);
+  }
+  KDAKIT_STAMP(9);
+  return true;
+}
+
+#ifdef KDAKIT_DECODE_STAMPS
+// Thread 0 of every 16th CTA prints its stamps (clock cycles after stamp 0) and its global start and end times.
+static __device__ __noinline__ void print_stamps(const long long* stamp_, unsigned long long gt0, int nw, int passes) {
+  const long long block_id = blockIdx.x + gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
+  if (threadIdx.x == 0 && block_id % 16 == 0) {
+    unsigned long long gt1;
+    unsigned smid;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt1)::"memory");
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    long long d[10];
+    for (int i = 0; i < 10; ++i) d[i] = stamp_[i + 1] - stamp_[0];
+    printf("STAMP blk %lld sm %u warps %d passes %d gt %llu %llu clk %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
+           block_id, smid, nw, passes, gt0, gt1, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9]);
+  }
+}
+#endif
+
 }  // namespace decode_detail
 
 // Registers: with KP <= 128 five CTAs of 4 warps fit an SM (<= 96 registers) without spills; the [K,V] bf16 tile
@@ -435,16 +707,35 @@ constexpr int decode_min_blocks() { return KP > 128 ? 2 : (!VK && L::NJ == 8 && 
 // FULL (run-time facts the host checked): K == KP, the V tiles are whole, the state is staged, and every state
 // output has the pool's dtype and vector alignment. The tile's places then need no K / V masks and fold to
 // constants: the general form spends ~85% of its instructions on such bookkeeping (ncu, T1 N1024 H16 bf16 pool).
-template <typename PoolT, bool VK, int KP, bool FULL>
-__global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decode_detail::Tile<PoolT, VK, KP>, VK, KP>()))
+//
+// ONE (the host checked DecodeConfig::one's conditions): sequences of one token take decode_one_token, whose
+// register preparation holds q, k and the gate of a thread's keys beside its state (up to 128 registers: four CTAs
+// per SM); longer ones (varlen calls whose lengths the host could not read) the general path.
+template <typename PoolT, bool VK, int KP, bool FULL, bool ONE>
+__global__ void __launch_bounds__(kDecodeMaxWarps * 32,
+                                  (ONE ? 4 : decode_min_blocks<decode_detail::Tile<PoolT, VK, KP>, VK, KP>()))
     decode_kernel(const DecodeArgs a) {
   using namespace decode_detail;
+  static_assert(!(ONE && FULL), "the one-token form falls back to the general (masked) path");
 #ifdef KDAKIT_DECODE_STAMPS
   long long stamp_[11] = {};
   unsigned long long gt0_;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt0_)::"memory");
 #endif
   KDAKIT_STAMP(0);
+  if constexpr (ONE) {
+    const DType in_dt = a.q.dtype;
+    const bool done = in_dt == DType::kBFloat16 ? decode_one_token<PoolT, VK, KP, __nv_bfloat16>(a KDAKIT_STAMP_ARG)
+                      : in_dt == DType::kFloat16 ? decode_one_token<PoolT, VK, KP, __half>(a KDAKIT_STAMP_ARG)
+                                                 : decode_one_token<PoolT, VK, KP, float>(a KDAKIT_STAMP_ARG);
+    if (done) {
+      KDAKIT_STAMP(10);
+#ifdef KDAKIT_DECODE_STAMPS
+      decode_detail::print_stamps(stamp_, gt0_, blockDim.x >> 5, 0);
+#endif
+      return;
+    }
+  }
   using L = Tile<PoolT, VK, KP>;
   constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL, GRP = L::GRP;
   constexpr int MC = kDecodeMaxTileCols / 32;  // tile columns per lane in the preparation
@@ -631,21 +922,13 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
             const char* rq = reinterpret_cast<const char*>(q) + (4 - es) * KP;
             const char* rk = reinterpret_cast<const char*>(k) + (4 - es) * KP;
             float xq[KL], xk[KL];
-            float sq = 0.f, sk = 0.f, qk = 0.f;
 #pragma unroll
             for (int i = 0; i < KL; ++i) {
               xq[i] = raw_at(rq, in_dt, lane + 32 * i);
               xk[i] = raw_at(rk, in_dt, lane + 32 * i);
-              sq = fmaf(xq[i], xq[i], sq);
-              sk = fmaf(xk[i], xk[i], sk);
-              qk = fmaf(xq[i], xk[i], qk);
             }
-#pragma unroll
-            for (int m = 16; m > 0; m >>= 1) {
-              sq += __shfl_xor_sync(0xffffffffu, sq, m);
-              sk += __shfl_xor_sync(0xffffffffu, sk, m);
-              qk += __shfl_xor_sync(0xffffffffu, qk, m);
-            }
+            float sq, sk, qk;
+            norm_sums<KL>(xq, xk, sq, sk, qk);
             const float eps = static_cast<float>(math::kL2NormEps);
             const float nq = a.l2norm ? rsqrtf(sq + eps) : 1.f;
             const float nk = a.l2norm ? rsqrtf(sk + eps) : 1.f;
@@ -771,17 +1054,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<decod
   }
   KDAKIT_STAMP(10);
 #ifdef KDAKIT_DECODE_STAMPS
-  const long long block_id = blockIdx.x + gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
-  if (threadIdx.x == 0 && block_id % 16 == 0) {
-    unsigned long long gt1;
-    unsigned smid;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt1)::"memory");
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    long long d[10];
-    for (int i = 0; i < 10; ++i) d[i] = stamp_[i + 1] - stamp_[0];
-    printf("STAMP blk %lld sm %u warps %d passes %d gt %llu %llu clk %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
-           block_id, smid, nw, passes, gt0_, gt1, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9]);
-  }
+  decode_detail::print_stamps(stamp_, gt0_, nw, passes);
 #endif
 }
 
