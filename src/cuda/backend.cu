@@ -477,6 +477,9 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   a.beta = decode_rows(p.in.beta);
   a.beta_cols = p.in.beta.ndim == 4;
   fill_shared_args(a, p.in, pr);
+  for (int sh = 0; sh < 31; ++sh) {
+    if ((int64_t(1) << sh) == pr.group) a.group_shift = sh;
+  }
   if (p.in.cu_seqlens.present()) a.cu_stride = p.in.cu_seqlens.strides[0];
   const TensorView& idx = st.state_indices;
   if (idx.present()) {
@@ -558,7 +561,10 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
     for (int i = 0; i < t.ndim; ++i) last += (t.shape[i] - 1) * std::max<int64_t>(t.strides[i], 0);
     return last < (int64_t(1) << 31) - 16;
   };
+  const auto int32_or_absent = [](const TensorView& t) { return !t.present() || t.dtype == DType::kInt32; };
   const bool one_dtypes = p.in.beta.dtype == p.in.q.dtype && p.out.dtype == p.in.q.dtype && offsets32(p.in.q) &&
+                          int32_or_absent(st.state_indices) && int32_or_absent(p.in.cu_seqlens) &&
+                          pr.N * std::max<int64_t>(a.idx_s0, a.cu_stride) < (int64_t(1) << 31) - 16 &&
                           offsets32(p.in.k) && offsets32(p.in.v) && offsets32(p.in.g) && offsets32(p.in.beta) &&
                           offsets32(p.out) &&
                           (!p.in.gate.A_log.present() || p.in.gate.A_log.dtype == DType::kFloat32) &&

@@ -89,6 +89,7 @@ struct DecodeArgs {
   float scale = 1.f;
   bool l2norm = false, beta_sigmoid = false, neg_eigval = false;
   int B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, group = 1, N = 0;
+  int group_shift = -1;  // log2(group) where group is a power of two (the q/k head is hv >> group_shift), else -1
   DynPtr cu_seqlens;  // absent: fixed length
   int64_t cu_stride = 1;
 

@@ -530,8 +530,30 @@ __device__ __forceinline__ void load_run(const In* p, float* x) {
 // dtype, 1-D or no slot indices, no per-token states, q, k, v, g, beta and out of one dtype (In), dt_bias and A_log
 // float32. Element types are compile-time here: at small batches a CTA's time is mostly the fetch of the
 // instructions it runs (docs/perf-notes.md), and run-time dtype switches per load multiply them.
+// A sequence's scalars for the one-token form, loaded before anything waits (int32 slot ids and cu_seqlens: the
+// host checked). The slot's load starts the chain slot -> state -> token math, so it is the kernel's first load.
+struct OneTokenSeq {
+  int slot1, has, b, t0, len;
+  __device__ __forceinline__ explicit OneTokenSeq(const DecodeArgs& a) {
+    const int n = static_cast<int>(blockIdx.x);
+    const int* idx = static_cast<const int*>(a.state_indices.p);
+    slot1 = idx != nullptr ? __ldg(idx + n * a.idx_s0) : n;
+    has = a.has_initial_state.present() ? static_cast<int>(a.has_initial_state.load_int(n * a.has_stride)) : 1;
+    const int* cu = static_cast<const int*>(a.cu_seqlens.p);
+    if (cu != nullptr) {
+      b = 0;
+      t0 = __ldg(cu + n * a.cu_stride);
+      len = __ldg(cu + (n + 1) * a.cu_stride) - t0;
+    } else {
+      b = n;
+      t0 = 0;
+      len = a.T;
+    }
+  }
+};
+
 template <typename PoolT, bool VK, int KP, typename In>
-__device__ __forceinline__ bool decode_one_token(const DecodeArgs& a KDAKIT_STAMP_PARAM) {
+__device__ __forceinline__ bool decode_one_token(const DecodeArgs& a, const OneTokenSeq& sq_ KDAKIT_STAMP_PARAM) {
   using L = Tile<PoolT, VK, KP>;
   constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL;
   constexpr int RUN = VK ? L::VEC : ND;  // consecutive keys of a thread
@@ -541,15 +563,12 @@ __device__ __forceinline__ bool decode_one_token(const DecodeArgs& a KDAKIT_STAM
   static_assert(!VK || QN <= L::VEC, "a quarter of a thread's keys lies in one run");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int n = static_cast<int>(blockIdx.x), hv = static_cast<int>(blockIdx.y);
-  const int h = a.group == 1 ? hv : hv / a.group;
+  const int h = a.group_shift >= 0 ? hv >> a.group_shift : hv / a.group;
   const int wcol0 = (static_cast<int>(blockIdx.z) * (blockDim.x >> 5) + warp) * kDecodeWarpCols;
 
-  // Scalars and token inputs: every load is issued before any is used (the inputs' offsets do not depend on the
-  // slot; with cu_seqlens they wait for the sequence's start).
-  const int64_t slot1 = a.state_indices.present() ? a.state_indices.load_int(n * a.idx_s0) : n;
-  const int64_t has = a.has_initial_state.present() ? a.has_initial_state.load_int(n * a.has_stride) : 1;
-  int64_t b, t0, len;
-  a.sequence(n, b, t0, len);
+  // Token inputs: every load is issued before any is used (the inputs' offsets do not depend on the slot; with
+  // cu_seqlens they wait for the sequence's start).
+  const int slot1 = sq_.slot1, has = sq_.has, b = sq_.b, t0 = sq_.t0, len = sq_.len;
   if (len > 1) return false;
   KDAKIT_STAMP(1);
   const bool tok = len == 1;
@@ -559,7 +578,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeArgs& a KDAKIT_STAM
   float alog = 0.f;
   if (tok) {
     // Offsets in 32 bits (the host checked that every token tensor's do), pointers advanced by compile-time steps.
-    const int bi = static_cast<int>(b), ti = static_cast<int>(t0);
+    const int bi = b, ti = t0;
     const In* q = static_cast<const In*>(a.q.p) + (bi * int(a.q.sb) + ti * int(a.q.st) + h * int(a.q.sh));
     const In* k = static_cast<const In*>(a.k.p) + (bi * int(a.k.sb) + ti * int(a.k.st) + h * int(a.k.sh));
     const int d0 = key_of<L, VK>(0, lane);
@@ -595,8 +614,8 @@ __device__ __forceinline__ bool decode_one_token(const DecodeArgs& a KDAKIT_STAM
   KDAKIT_STAMP(2);
 
   // The slot (ids outside the pool: neither read nor written), then the state's loads, straight into registers.
-  const int rslot = !a.initial.present() || slot1 < 0 || slot1 >= a.initial.slots || has == 0 ? -1 : int(slot1);
-  const int wslot = !a.final_state.present() || slot1 < 0 || slot1 >= a.final_state.slots ? -1 : int(slot1);
+  const int rslot = !a.initial.present() || slot1 < 0 || slot1 >= a.initial.slots || has == 0 ? -1 : slot1;
+  const int wslot = !a.final_state.present() || slot1 < 0 || slot1 >= a.final_state.slots ? -1 : slot1;
   const Place pf = place_of<L, VK>(KP, a.V, wcol0, lane);
   const Place pl{pf.off, pf.step, 1 << 20, 1 << 20};
   float S[NJ][ND];
@@ -653,7 +672,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeArgs& a KDAKIT_STAM
       }
     }
     const bool leader = VK ? (lane & 7) == 0 : lane < L::LV;
-    const int orow = int(b) * int(a.out_sb) + int(t0) * int(a.out_st) + hv * int(a.out_sh);
+    const int orow = b * int(a.out_sb) + t0 * int(a.out_st) + hv * int(a.out_sh);
     float e[NJ];
 #pragma unroll
     for (int jj = 0; jj < NJ; ++jj) {
@@ -724,10 +743,11 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
 #endif
   KDAKIT_STAMP(0);
   if constexpr (ONE) {
+    const OneTokenSeq seq(a);  // before the dispatch, which waits for a kernel parameter
     const DType in_dt = a.q.dtype;
-    const bool done = in_dt == DType::kBFloat16 ? decode_one_token<PoolT, VK, KP, __nv_bfloat16>(a KDAKIT_STAMP_ARG)
-                      : in_dt == DType::kFloat16 ? decode_one_token<PoolT, VK, KP, __half>(a KDAKIT_STAMP_ARG)
-                                                 : decode_one_token<PoolT, VK, KP, float>(a KDAKIT_STAMP_ARG);
+    const bool done = in_dt == DType::kBFloat16 ? decode_one_token<PoolT, VK, KP, __nv_bfloat16>(a, seq KDAKIT_STAMP_ARG)
+                      : in_dt == DType::kFloat16 ? decode_one_token<PoolT, VK, KP, __half>(a, seq KDAKIT_STAMP_ARG)
+                                                 : decode_one_token<PoolT, VK, KP, float>(a, seq KDAKIT_STAMP_ARG);
     if (done) {
       KDAKIT_STAMP(10);
 #ifdef KDAKIT_DECODE_STAMPS
