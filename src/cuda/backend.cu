@@ -452,6 +452,52 @@ int decode_passes_override() {
   return 0;
 }
 
+OneRows one_rows(const TensorView& t) {
+  return OneRows{t.data, static_cast<int>(t.strides[0]), static_cast<int>(t.strides[1]), static_cast<int>(t.strides[2])};
+}
+
+// The one-token form's packed arguments (DecodeOneArgs), from the general ones and the call.
+void fill_one_args(DecodeArgs& a, const DecodeParams& p, const Problem& pr) {
+  DecodeOneArgs& o = a.one;
+  o.q = one_rows(p.in.q);
+  o.k = one_rows(p.in.k);
+  o.g = one_rows(p.in.g);
+  o.v = one_rows(p.in.v);
+  o.beta = one_rows(p.in.beta);
+  o.out = one_rows(p.out);
+  o.A_log = static_cast<const float*>(p.in.gate.A_log.data);
+  o.dt_bias = static_cast<const float*>(p.in.gate.dt_bias.data);
+  o.state_indices = static_cast<const int*>(a.state_indices.p);
+  o.idx_stride = static_cast<int>(a.idx_s0);
+  o.cu_seqlens = static_cast<const int*>(a.cu_seqlens.p);
+  o.cu_stride = static_cast<int>(a.cu_stride);
+  o.initial = a.initial.p;
+  o.initial_slot_stride = a.initial.slot_stride;
+  o.initial_head_stride = a.initial.head_stride;
+  o.initial_slots = a.initial.slots;
+  o.final_state = a.final_state.p;
+  o.final_slot_stride = a.final_state.slot_stride;
+  o.final_head_stride = a.final_state.head_stride;
+  o.final_slots = a.final_state.slots;
+  o.has_initial_state = a.has_initial_state.p;
+  o.has_dtype = a.has_initial_state.dtype;
+  o.has_stride = static_cast<int>(a.has_stride);
+  o.T = a.T;
+  o.V = a.V;
+  o.group = a.group;
+  for (int sh = 0; sh < 31; ++sh) {
+    if ((int64_t(1) << sh) == pr.group) o.group_shift = sh;
+  }
+  o.in_dtype = p.in.q.dtype;
+  o.gate_mode = a.gate_mode;
+  o.scale = a.scale;
+  o.lower_bound = a.lower_bound;
+  o.l2norm = a.l2norm;
+  o.beta_sigmoid = a.beta_sigmoid;
+  o.neg_eigval = a.neg_eigval;
+  o.beta_cols = a.beta_cols;
+}
+
 }  // namespace
 
 void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
@@ -477,9 +523,6 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   a.beta = decode_rows(p.in.beta);
   a.beta_cols = p.in.beta.ndim == 4;
   fill_shared_args(a, p.in, pr);
-  for (int sh = 0; sh < 31; ++sh) {
-    if ((int64_t(1) << sh) == pr.group) a.group_shift = sh;
-  }
   if (p.in.cu_seqlens.present()) a.cu_stride = p.in.cu_seqlens.strides[0];
   const TensorView& idx = st.state_indices;
   if (idx.present()) {
@@ -573,7 +616,10 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   cfg.one = at_most_one && cfg.KP <= 128 && pr.K == cfg.KP && pr.V % bv == 0 && a.q.vec && a.k.vec && a.g.vec &&
             one_dtypes && same_as_pool(a.initial) && same_as_pool(a.final_state) && !a.token_states.present() &&
             !a.idx_2d && !(bf16_pool && passes == 4) && std::getenv("KDAKIT_DECODE_GENERAL") == nullptr;
-  if (cfg.one) passes = 1;
+  if (cfg.one) {
+    passes = 1;
+    fill_one_args(a, p, pr);
+  }
   if (const int ov = decode_passes_override(); ov && !cfg.one) {  // developer override for tuning and tests
     passes = ov;
     while (passes > 1 && smem_of(passes) > 49152) passes /= 2;

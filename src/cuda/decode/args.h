@@ -79,7 +79,40 @@ struct DecodeSmem {
   }
 };
 
+// A token tensor's rows for the one-token form: element offsets in 32 bits (the host checked they fit).
+struct OneRows {
+  void* p = nullptr;
+  int sb = 0, st = 0, sh = 0;
+  __device__ __forceinline__ int offset(int b, int t, int h) const { return b * sb + t * st + h * sh; }
+};
+
+// Everything the one-token form reads, packed (DecodeArgs::one, the first member of the kernel's argument block).
+// A kernel's parameters are read through the constant cache, and every line the first reads touch is a miss on
+// the chain of a short kernel: this block spans 5 of its lines instead of the whole argument block's 11 (ncu,
+// T1 N1 H16 fp32: imc_miss stalls ~1.5 per issued instruction before). Filled only where DecodeConfig::one holds.
+struct DecodeOneArgs {
+  OneRows q, k, g, v, beta, out;                     // q, k: head h = hv >> group_shift (or hv / group)
+  const float* A_log = nullptr;                      // [HV] float32, or absent
+  const float* dt_bias = nullptr;                    // [HV * K] float32 (16-byte aligned), or absent
+  const int* state_indices = nullptr;                // [N] int32, or absent (slot n)
+  const int* cu_seqlens = nullptr;                   // [N + 1] int32, or absent (fixed length T)
+  const void* initial = nullptr;                     // pool dtype, or absent
+  void* final_state = nullptr;
+  int64_t initial_slot_stride = 0, initial_head_stride = 0, final_slot_stride = 0, final_head_stride = 0;
+  int64_t initial_slots = 0, final_slots = 0;
+  const void* has_initial_state = nullptr;           // [N] any integer/bool dtype (rare: read through DynPtr)
+  DType has_dtype = DType::kBool;
+  int has_stride = 0, idx_stride = 0, cu_stride = 0;
+  int T = 0, V = 0, group = 1, group_shift = -1;
+  DType in_dtype = DType::kBFloat16;                  // q, k, g, v, beta and out
+  int gate_mode = 0;
+  float scale = 1.f, lower_bound = -5.f;
+  bool l2norm = false, beta_sigmoid = false, neg_eigval = false, beta_cols = false;
+};
+
 struct DecodeArgs {
+  DecodeOneArgs one;  // first: see DecodeOneArgs
+
   // Inputs. q, k, v, g share one dtype (bf16, fp16 or fp32); beta has its own.
   DecodeRows q, k, v, g, beta;
   bool beta_cols = false;  // beta [B,T,HV,V] (one per value column) instead of [B,T,HV]
@@ -89,7 +122,6 @@ struct DecodeArgs {
   float scale = 1.f;
   bool l2norm = false, beta_sigmoid = false, neg_eigval = false;
   int B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, group = 1, N = 0;
-  int group_shift = -1;  // log2(group) where group is a power of two (the q/k head is hv >> group_shift), else -1
   DynPtr cu_seqlens;  // absent: fixed length
   int64_t cu_stride = 1;
 

@@ -534,26 +534,27 @@ __device__ __forceinline__ void load_run(const In* p, float* x) {
 // host checked). The slot's load starts the chain slot -> state -> token math, so it is the kernel's first load.
 struct OneTokenSeq {
   int slot1, has, b, t0, len;
-  __device__ __forceinline__ explicit OneTokenSeq(const DecodeArgs& a) {
+  __device__ __forceinline__ explicit OneTokenSeq(const DecodeOneArgs& o) {
     const int n = static_cast<int>(blockIdx.x);
-    const int* idx = static_cast<const int*>(a.state_indices.p);
-    slot1 = idx != nullptr ? __ldg(idx + n * a.idx_s0) : n;
-    has = a.has_initial_state.present() ? static_cast<int>(a.has_initial_state.load_int(n * a.has_stride)) : 1;
-    const int* cu = static_cast<const int*>(a.cu_seqlens.p);
-    if (cu != nullptr) {
+    slot1 = o.state_indices != nullptr ? __ldg(o.state_indices + n * o.idx_stride) : n;
+    has = 1;
+    if (o.has_initial_state != nullptr) {
+      has = static_cast<int>(DynPtr{const_cast<void*>(o.has_initial_state), o.has_dtype}.load_int(n * o.has_stride));
+    }
+    if (o.cu_seqlens != nullptr) {
       b = 0;
-      t0 = __ldg(cu + n * a.cu_stride);
-      len = __ldg(cu + (n + 1) * a.cu_stride) - t0;
+      t0 = __ldg(o.cu_seqlens + n * o.cu_stride);
+      len = __ldg(o.cu_seqlens + (n + 1) * o.cu_stride) - t0;
     } else {
       b = n;
       t0 = 0;
-      len = a.T;
+      len = o.T;
     }
   }
 };
 
 template <typename PoolT, bool VK, int KP, typename In>
-__device__ __forceinline__ bool decode_one_token(const DecodeArgs& a, const OneTokenSeq& sq_ KDAKIT_STAMP_PARAM) {
+__device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const OneTokenSeq& sq_ KDAKIT_STAMP_PARAM) {
   using L = Tile<PoolT, VK, KP>;
   constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL;
   constexpr int RUN = VK ? L::VEC : ND;  // consecutive keys of a thread
@@ -563,7 +564,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeArgs& a, const OneT
   static_assert(!VK || QN <= L::VEC, "a quarter of a thread's keys lies in one run");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int n = static_cast<int>(blockIdx.x), hv = static_cast<int>(blockIdx.y);
-  const int h = a.group_shift >= 0 ? hv >> a.group_shift : hv / a.group;
+  const int h = o.group_shift >= 0 ? hv >> o.group_shift : hv / o.group;
   const int wcol0 = (static_cast<int>(blockIdx.z) * (blockDim.x >> 5) + warp) * kDecodeWarpCols;
 
   // Token inputs: every load is issued before any is used (the inputs' offsets do not depend on the slot; with
@@ -579,8 +580,8 @@ __device__ __forceinline__ bool decode_one_token(const DecodeArgs& a, const OneT
   if (tok) {
     // Offsets in 32 bits (the host checked that every token tensor's do), pointers advanced by compile-time steps.
     const int bi = b, ti = t0;
-    const In* q = static_cast<const In*>(a.q.p) + (bi * int(a.q.sb) + ti * int(a.q.st) + h * int(a.q.sh));
-    const In* k = static_cast<const In*>(a.k.p) + (bi * int(a.k.sb) + ti * int(a.k.st) + h * int(a.k.sh));
+    const In* q = static_cast<const In*>(o.q.p) + o.q.offset(bi, ti, h);
+    const In* k = static_cast<const In*>(o.k.p) + o.k.offset(bi, ti, h);
     const int d0 = key_of<L, VK>(0, lane);
 #pragma unroll
     for (int r = 0; r < ND / RUN; ++r) {
@@ -593,34 +594,34 @@ __device__ __forceinline__ bool decode_one_token(const DecodeArgs& a, const OneT
       nq_raw[i] = to_float(__ldg(q + lane + 32 * i));
       nk_raw[i] = to_float(__ldg(k + lane + 32 * i));
     }
-    load_run<QN>(static_cast<const In*>(a.g.p) + (bi * int(a.g.sb) + ti * int(a.g.st) + hv * int(a.g.sh) + gkey), xg);
-    if (a.gate_mode != 0 && a.dt_bias.present()) {
-      load_run<QN>(static_cast<const float*>(a.dt_bias.p) + hv * KP + gkey, bias);
+    load_run<QN>(static_cast<const In*>(o.g.p) + o.g.offset(bi, ti, hv) + gkey, xg);
+    if (o.gate_mode != 0 && o.dt_bias != nullptr) {
+      load_run<QN>(o.dt_bias + hv * KP + gkey, bias);
     } else {
 #pragma unroll
       for (int i = 0; i < QN; ++i) bias[i] = 0.f;
     }
-    alog = a.A_log.present() ? __ldg(static_cast<const float*>(a.A_log.p) + hv) : 0.f;
-    const In* v = static_cast<const In*>(a.v.p) + (bi * int(a.v.sb) + ti * int(a.v.st) + hv * int(a.v.sh) + wcol0);
-    const In* bt = static_cast<const In*>(a.beta.p) +
-                   (bi * int(a.beta.sb) + ti * int(a.beta.st) + hv * int(a.beta.sh) + (a.beta_cols ? wcol0 : 0));
+    alog = o.A_log != nullptr ? __ldg(o.A_log + hv) : 0.f;
+    const In* v = static_cast<const In*>(o.v.p) + o.v.offset(bi, ti, hv) + wcol0;
+    const In* bt = static_cast<const In*>(o.beta.p) + o.beta.offset(bi, ti, hv) + (o.beta_cols ? wcol0 : 0);
 #pragma unroll
     for (int jj = 0; jj < NJ; ++jj) {
       const int c = col_of<L, VK>(jj, lane);
       xv[jj] = to_float(__ldg(v + c));
-      xb[jj] = to_float(__ldg(bt + (a.beta_cols ? c : 0)));
+      xb[jj] = to_float(__ldg(bt + (o.beta_cols ? c : 0)));
     }
   }
   KDAKIT_STAMP(2);
 
   // The slot (ids outside the pool: neither read nor written), then the state's loads, straight into registers.
-  const int rslot = !a.initial.present() || slot1 < 0 || slot1 >= a.initial.slots || has == 0 ? -1 : slot1;
-  const int wslot = !a.final_state.present() || slot1 < 0 || slot1 >= a.final_state.slots ? -1 : slot1;
-  const Place pf = place_of<L, VK>(KP, a.V, wcol0, lane);
+  const int rslot = o.initial == nullptr || slot1 < 0 || slot1 >= o.initial_slots || has == 0 ? -1 : slot1;
+  const int wslot = o.final_state == nullptr || slot1 < 0 || slot1 >= o.final_slots ? -1 : slot1;
+  const Place pf = place_of<L, VK>(KP, o.V, wcol0, lane);
   const Place pl{pf.off, pf.step, 1 << 20, 1 << 20};
   float S[NJ][ND];
   if (rslot >= 0) {
-    load_block<PoolT, VK, KP>(S, static_cast<const PoolT*>(a.initial.p) + a.initial.block(rslot, hv), pl, true);
+    load_block<PoolT, VK, KP>(S, static_cast<const PoolT*>(o.initial) + rslot * o.initial_slot_stride +
+                                     hv * o.initial_head_stride, pl, true);
   } else {
 #pragma unroll
     for (int jj = 0; jj < NJ; ++jj) {
@@ -637,7 +638,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeArgs& a, const OneT
     float sq, sk, qk;
     norm_sums<KL>(nq_raw, nk_raw, sq, sk, qk);
     const float eps = static_cast<float>(math::kL2NormEps);
-    const float qs = (a.l2norm ? rsqrtf(sq + eps) : 1.f) * a.scale, nk = a.l2norm ? rsqrtf(sk + eps) : 1.f;
+    const float qs = (o.l2norm ? rsqrtf(sq + eps) : 1.f) * o.scale, nk = o.l2norm ? rsqrtf(sk + eps) : 1.f;
     const float qkn = qk * qs * nk;
     KDAKIT_STAMP_AFTER(5, qkn);
 #pragma unroll
@@ -646,7 +647,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeArgs& a, const OneT
       xk[dd] *= nk;
     }
 
-    const DecodeGate gate(a.gate_mode, alog, a.A_log.present(), a.lower_bound);
+    const DecodeGate gate(o.gate_mode, alog, o.A_log != nullptr, o.lower_bound);
     float gq[QN], gv[ND];
     gate.exp_gates<QN>(xg, bias, gq);
 #pragma unroll
@@ -672,14 +673,17 @@ __device__ __forceinline__ bool decode_one_token(const DecodeArgs& a, const OneT
       }
     }
     const bool leader = VK ? (lane & 7) == 0 : lane < L::LV;
-    const int orow = b * int(a.out_sb) + t0 * int(a.out_st) + hv * int(a.out_sh);
+    const int orow = o.out.offset(b, t0, hv);
     float e[NJ];
 #pragma unroll
     for (int jj = 0; jj < NJ; ++jj) {
       pk[jj] = column_sum<L, VK>(pk[jj]);
       pq[jj] = column_sum<L, VK>(pq[jj]);
-      e[jj] = fast_beta(xb[jj], a.beta_sigmoid, a.neg_eigval) * (xv[jj] - pk[jj]);
-      if (leader) static_cast<In*>(a.out.p)[orow + wcol0 + col_of<L, VK>(jj, lane)] = from_float<In>(fmaf(qkn, e[jj], pq[jj]));
+      e[jj] = fast_beta(xb[jj], o.beta_sigmoid, o.neg_eigval) * (xv[jj] - pk[jj]);
+      if (leader) {
+        static_cast<In*>(o.out.p)[orow + wcol0 + col_of<L, VK>(jj, lane)] =
+            from_float<In>(fmaf(qkn, e[jj], pq[jj]));
+      }
     }
 #pragma unroll
     for (int dd = 0; dd < ND; ++dd) {
@@ -689,7 +693,8 @@ __device__ __forceinline__ bool decode_one_token(const DecodeArgs& a, const OneT
     KDAKIT_STAMP_AFTER(8, S[NJ - 1][ND - 1]);
   }
   if (wslot >= 0) {
-    store_block_t<PoolT, L, VK>(S, static_cast<PoolT*>(a.final_state.p) + a.final_state.block(wslot, hv), pl, true);
+    store_block_t<PoolT, L, VK>(S, static_cast<PoolT*>(o.final_state) + wslot * o.final_slot_stride +
+                                       hv * o.final_head_stride, pl, true);
   }
   KDAKIT_STAMP(9);
   return true;
@@ -743,11 +748,12 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
 #endif
   KDAKIT_STAMP(0);
   if constexpr (ONE) {
-    const OneTokenSeq seq(a);  // before the dispatch, which waits for a kernel parameter
-    const DType in_dt = a.q.dtype;
-    const bool done = in_dt == DType::kBFloat16 ? decode_one_token<PoolT, VK, KP, __nv_bfloat16>(a, seq KDAKIT_STAMP_ARG)
-                      : in_dt == DType::kFloat16 ? decode_one_token<PoolT, VK, KP, __half>(a, seq KDAKIT_STAMP_ARG)
-                                                 : decode_one_token<PoolT, VK, KP, float>(a, seq KDAKIT_STAMP_ARG);
+    const DecodeOneArgs& o = a.one;
+    const OneTokenSeq seq(o);  // before the dispatch, which waits for a kernel parameter
+    const DType in_dt = o.in_dtype;
+    const bool done = in_dt == DType::kBFloat16 ? decode_one_token<PoolT, VK, KP, __nv_bfloat16>(o, seq KDAKIT_STAMP_ARG)
+                      : in_dt == DType::kFloat16 ? decode_one_token<PoolT, VK, KP, __half>(o, seq KDAKIT_STAMP_ARG)
+                                                 : decode_one_token<PoolT, VK, KP, float>(o, seq KDAKIT_STAMP_ARG);
     if (done) {
       KDAKIT_STAMP(10);
 #ifdef KDAKIT_DECODE_STAMPS
