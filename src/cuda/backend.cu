@@ -452,8 +452,10 @@ int decode_passes_override() {
   return 0;
 }
 
+// 32-bit strides (the host checked that every element's offset fits); a size-1 dimension never moves the pointer.
 OneRows one_rows(const TensorView& t) {
-  return OneRows{t.data, static_cast<int>(t.strides[0]), static_cast<int>(t.strides[1]), static_cast<int>(t.strides[2])};
+  auto stride = [&](int i) { return t.shape[i] > 1 ? static_cast<int>(t.strides[i]) : 0; };
+  return OneRows{t.data, stride(0), stride(1), stride(2)};
 }
 
 // The one-token form's packed arguments (DecodeOneArgs), from the general ones and the call.
@@ -605,17 +607,18 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
     return last < (int64_t(1) << 31) - 16;
   };
   const auto int32_or_absent = [](const TensorView& t) { return !t.present() || t.dtype == DType::kInt32; };
-  const bool one_dtypes = p.in.beta.dtype == p.in.q.dtype && p.out.dtype == p.in.q.dtype && offsets32(p.in.q) &&
+  const bool one_dtypes = p.in.beta.dtype == p.in.q.dtype && p.out.dtype == p.in.q.dtype &&
                           int32_or_absent(st.state_indices) && int32_or_absent(p.in.cu_seqlens) &&
-                          pr.N * std::max<int64_t>(a.idx_s0, a.cu_stride) < (int64_t(1) << 31) - 16 &&
-                          offsets32(p.in.k) && offsets32(p.in.v) && offsets32(p.in.g) && offsets32(p.in.beta) &&
-                          offsets32(p.out) &&
                           (!p.in.gate.A_log.present() || p.in.gate.A_log.dtype == DType::kFloat32) &&
                           (!p.in.gate.dt_bias.present() ||
                            (p.in.gate.dt_bias.dtype == DType::kFloat32 && aligned16(p.in.gate.dt_bias)));
+  const bool one_offsets = offsets32(p.in.q) && offsets32(p.in.k) && offsets32(p.in.v) && offsets32(p.in.g) &&
+                           offsets32(p.in.beta) && offsets32(p.out) &&
+                           pr.N * std::max<int64_t>(a.idx_s0, a.cu_stride) < (int64_t(1) << 31) - 16;
   cfg.one = at_most_one && cfg.KP <= 128 && pr.K == cfg.KP && pr.V % bv == 0 && a.q.vec && a.k.vec && a.g.vec &&
-            one_dtypes && same_as_pool(a.initial) && same_as_pool(a.final_state) && !a.token_states.present() &&
-            !a.idx_2d && !(bf16_pool && passes == 4) && std::getenv("KDAKIT_DECODE_GENERAL") == nullptr;
+            one_dtypes && one_offsets && same_as_pool(a.initial) && same_as_pool(a.final_state) &&
+            !a.token_states.present() && !a.idx_2d && !(bf16_pool && passes == 4) &&
+            std::getenv("KDAKIT_DECODE_GENERAL") == nullptr;
   if (cfg.one) {
     passes = 1;
     fill_one_args(a, p, pr);

@@ -27,6 +27,9 @@
 // q, k, g, v and beta of up to `tb` tokens are staged in shared memory once per CTA (once for all passes when the
 // sequence fits one batch), where one warp per token computes the L2 norms, q.k, the gate and the beta activation
 // (rsqrtf and the special function unit: ex2.approx, as the CUDA forward's gate).
+//
+// The one-token form (ONE, decode_one_token) serves calls whose sequences have at most one token: every thread
+// loads and prepares its own inputs in registers, with no shared memory and no barrier (docs/ARCHITECTURE.md).
 #pragma once
 
 #include <cuda_bf16.h>
