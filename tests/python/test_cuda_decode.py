@@ -581,6 +581,24 @@ def test_one_token_form(seed, monkeypatch, lens, fixed, dtype, gate, beta, K, v_
     assert same_bits(o, og) and same_bits(p, pg), "the one-token and the general form differ"
 
 
+@pytest.mark.parametrize("v_first", [False, True])
+def test_index_dtypes_agree(seed, v_first):
+    """int32 slot ids and cu_seqlens take the one-token form, int64 ones the general form: the same bits either way."""
+    N, HV = 9, 4
+    x = make([1] * N, 2, HV, 128, dtype=torch.bfloat16)
+    idx = torch.randperm(2 * N, device=DEV)[:N].to(torch.int32)
+    pool = make_pool(2 * N, HV, 128, 128, torch.float32, v_first, idx)
+    results = []
+    for dt in (torch.int32, torch.int64):
+        p = pool.clone()
+        o, _ = call(dict(x, cu=x["cu"].to(dt)), p, state_v_first=v_first, ssm_state_indices=idx.to(dt))
+        torch.cuda.synchronize()
+        results.append((o, p))
+    ro, rs = oracle(x, h0_from_pool(pool, idx.tolist(), v_first))
+    close("o", results[0][0], ro, tol(x, torch.bfloat16))
+    assert same_bits(results[0][0], results[1][0]) and same_bits(results[0][1], results[1][1])
+
+
 # ---- CUDA graphs, one launch per call, errors ------------------------------------------------------------------
 
 def test_cuda_graph_capture_and_replay(seed):
