@@ -636,7 +636,8 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   if (pr.HV > 65535) {
     throw InvalidArgument("v", "at most 65535 value heads for the CUDA decode, got " + std::to_string(pr.HV));
   }
-  cfg.smem = cfg.one && longest <= 1 ? 0 : smem_of(passes);
+  cfg.one_entry = cfg.one && longest <= 1;
+  cfg.smem = cfg.one_entry ? 0 : smem_of(passes);
   cfg.full = a.stage_state && pr.K == cfg.KP && pr.V % (int64_t(bv) * passes) == 0 && same_as_pool(a.final_state) &&
              same_as_pool(a.token_states) && std::getenv("KDAKIT_DECODE_GENERAL") == nullptr;
 

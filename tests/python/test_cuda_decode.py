@@ -645,16 +645,16 @@ def _cuda_kernels(fn):
     return [e.name for e in events]
 
 
-@pytest.mark.parametrize("mode", ["one_token", "decode", "spec_commit", "verify"])
+@pytest.mark.parametrize("mode", ["one_token_fixed", "one_token", "decode", "spec_commit", "verify"])
 def test_one_launch_per_call(seed, mode):
-    lens = [1, 1, 1] if mode == "one_token" else [3, 1, 4]
-    x = make(lens, 2, 4, 128, dtype=torch.bfloat16)
+    lens = [1, 1, 1] if mode.startswith("one_token") else [3, 1, 4]
+    x = make(lens, 2, 4, 128, dtype=torch.bfloat16, fixed=mode == "one_token_fixed")
     N = len(lens)
     idx2 = torch.arange(4 * N, device=DEV, dtype=torch.int32).reshape(N, 4)
     pool = make_pool(4 * N, 4, 128, 128, torch.float32, True, range(4 * N))
     out = torch.empty_like(x["v"])
     kw = dict(state_v_first=True, out=out)
-    if mode in ("one_token", "decode"):
+    if mode in ("one_token_fixed", "one_token", "decode"):
         kw.update(ssm_state_indices=idx2[:, 0].contiguous())
     elif mode == "spec_commit":
         kw.update(ssm_state_indices=idx2, num_accepted_tokens=torch.tensor([1, 1, 2], device=DEV, dtype=torch.int32))
@@ -663,7 +663,8 @@ def test_one_launch_per_call(seed, mode):
     names = _cuda_kernels(lambda: call(x, pool, **kw))
     if not names:
         pytest.skip("the profiler recorded no CUDA activity (CUPTI unavailable)")
-    assert len(names) == 1 and "decode_kernel" in names[0], f"expected one decode kernel, got {names}"
+    expected = "decode_one_kernel" if mode == "one_token_fixed" else "decode_kernel"
+    assert len(names) == 1 and expected in names[0], f"expected one {expected}, got {names}"
 
 
 def test_errors_on_cuda():

@@ -55,6 +55,7 @@ struct DecodeConfig {
   bool one = false;   // at most one token per sequence (the kernel's ONE form, register preparation): K == KP <= 128,
                       // whole one-pass V tiles, vector-aligned q, k, g rows, states absent or aligned in the pool's
                       // dtype, 1-D or no slot indices, no per-token states
+  bool one_entry = false;  // ... and every sequence is known to have at most one token: decode_one_kernel
 };
 
 // Dynamic shared memory of one CTA, byte offsets (host and device agree on it). Float rows: q * scale / |q|,

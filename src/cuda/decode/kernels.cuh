@@ -703,6 +703,17 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   return true;
 }
 
+// The one-token form for this CTA: the sequence's scalars, then the body for q's dtype. False: the sequence has
+// more than one token (the general path takes over).
+template <typename PoolT, bool VK, int KP>
+__device__ __forceinline__ bool decode_one_call(const DecodeOneArgs& o KDAKIT_STAMP_PARAM) {
+  const OneTokenSeq seq(o);  // before the dispatch, which waits for a kernel parameter
+  const DType in_dt = o.in_dtype;
+  return in_dt == DType::kBFloat16 ? decode_one_token<PoolT, VK, KP, __nv_bfloat16>(o, seq KDAKIT_STAMP_ARG)
+         : in_dt == DType::kFloat16 ? decode_one_token<PoolT, VK, KP, __half>(o, seq KDAKIT_STAMP_ARG)
+                                    : decode_one_token<PoolT, VK, KP, float>(o, seq KDAKIT_STAMP_ARG);
+}
+
 #ifdef KDAKIT_DECODE_STAMPS
 // Thread 0 of every 16th CTA prints its stamps (clock cycles after stamp 0) and its global start and end times.
 static __device__ __noinline__ void print_stamps(const long long* stamp_, unsigned long long gt0, int nw, int passes) {
@@ -751,13 +762,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
 #endif
   KDAKIT_STAMP(0);
   if constexpr (ONE) {
-    const DecodeOneArgs& o = a.one;
-    const OneTokenSeq seq(o);  // before the dispatch, which waits for a kernel parameter
-    const DType in_dt = o.in_dtype;
-    const bool done = in_dt == DType::kBFloat16 ? decode_one_token<PoolT, VK, KP, __nv_bfloat16>(o, seq KDAKIT_STAMP_ARG)
-                      : in_dt == DType::kFloat16 ? decode_one_token<PoolT, VK, KP, __half>(o, seq KDAKIT_STAMP_ARG)
-                                                 : decode_one_token<PoolT, VK, KP, float>(o, seq KDAKIT_STAMP_ARG);
-    if (done) {
+    if (decode_one_call<PoolT, VK, KP>(a.one KDAKIT_STAMP_ARG)) {
       KDAKIT_STAMP(10);
 #ifdef KDAKIT_DECODE_STAMPS
       decode_detail::print_stamps(stamp_, gt0_, blockDim.x >> 5, 0);
@@ -1084,6 +1089,24 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   KDAKIT_STAMP(10);
 #ifdef KDAKIT_DECODE_STAMPS
   decode_detail::print_stamps(stamp_, gt0_, nw, passes);
+#endif
+}
+
+// The one-token form's own entry, for calls in which the host knows every sequence has at most one token (fixed
+// T = 1, or lengths read on the host): it takes only the packed DecodeOneArgs (304 bytes instead of DecodeArgs'
+// 952), so its launch carries a small argument block, and holds no general path (no fall-back to size for).
+template <typename PoolT, bool VK, int KP>
+__global__ void __launch_bounds__(kDecodeMaxWarps * 32, 4) decode_one_kernel(const DecodeOneArgs o) {
+#ifdef KDAKIT_DECODE_STAMPS
+  long long stamp_[11] = {};
+  unsigned long long gt0_;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt0_)::"memory");
+#endif
+  KDAKIT_STAMP(0);
+  decode_detail::decode_one_call<PoolT, VK, KP>(o KDAKIT_STAMP_ARG);
+  KDAKIT_STAMP(10);
+#ifdef KDAKIT_DECODE_STAMPS
+  decode_detail::print_stamps(stamp_, gt0_, blockDim.x >> 5, 0);
 #endif
 }
 

@@ -14,11 +14,15 @@ namespace kdakit::cuda {
 template <typename PoolT, bool VK, int KP>
 void launch_decode_kernel(const DecodeArgs& a, const DecodeConfig& cfg, cudaStream_t stream) {
   auto kernel = cfg.full ? decode_kernel<PoolT, VK, KP, true, false> : decode_kernel<PoolT, VK, KP, false, false>;
-  if constexpr (KP <= 128) {
-    if (cfg.one) kernel = decode_kernel<PoolT, VK, KP, false, true>;
-  }
   const dim3 grid(static_cast<unsigned>(a.N), static_cast<unsigned>(a.HV), static_cast<unsigned>(a.vtiles));
-  kernel<<<grid, 32 * cfg.warps, cfg.smem, stream>>>(a);
+  if constexpr (KP <= 128) {
+    if (cfg.one && cfg.one_entry) {
+      decode_one_kernel<PoolT, VK, KP><<<grid, 32 * cfg.warps, 0, stream>>>(a.one);
+    } else if (cfg.one) {
+      kernel = decode_kernel<PoolT, VK, KP, false, true>;
+    }
+  }
+  if (!(KP <= 128 && cfg.one && cfg.one_entry)) kernel<<<grid, 32 * cfg.warps, cfg.smem, stream>>>(a);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw CudaError(std::string("kdakit: decode_kernel launch failed: ") + cudaGetErrorString(err));
 }
