@@ -615,16 +615,36 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   const bool one_offsets = offsets32(p.in.q) && offsets32(p.in.k) && offsets32(p.in.v) && offsets32(p.in.g) &&
                            offsets32(p.in.beta) && offsets32(p.out) &&
                            pr.N * std::max<int64_t>(a.idx_s0, a.cu_stride) < (int64_t(1) << 31) - 16;
-  cfg.one = at_most_one && cfg.KP <= 128 && pr.K == cfg.KP && pr.V % bv == 0 && a.q.vec && a.k.vec && a.g.vec &&
-            one_dtypes && one_offsets && same_as_pool(a.initial) && same_as_pool(a.final_state) &&
-            !a.token_states.present() && !a.idx_2d && !(bf16_pool && passes == 4) &&
+  // The one-token form's CTA tile: several passes (the state staged in shared memory, up to a 32 KB tile per CTA: more
+  // bytes in flight than registers hold) where the grid keeps at least two CTAs per SM; one pass (the state straight
+  // to registers, the shortest chain) below that. H200 sweep, docs/perf-notes.md: T1 N32 H16 bf16 11.5 / 9.4 / 8.5 us
+  // at 1 / 2 / 4 passes, N8 H16 bf16 3.8 / 4.2 / 5.2, N1024 H16 fp32 626 / 591 (two passes: 32 KB).
+  const int passes_override = decode_passes_override();  // developer override for tuning and tests
+  auto one_tile_fits = [&](int P) {
+    return a.stage_state && pr.V % (int64_t(bv) * P) == 0 &&
+           decode_state_tile_bytes(cfg.KP, pool_bytes, 32 * warps, P) <= 32768 && smem_of(P) <= 49152;
+  };
+  int one_passes = 1;
+  for (const int P : {4, 2}) {
+    if (one_tile_fits(P) && pr.N * pr.HV * (col_tiles / P) >= 2 * int64_t(sms)) {
+      one_passes = P;
+      break;
+    }
+  }
+  if (passes_override) {
+    one_passes = passes_override;
+    while (one_passes > 1 && !one_tile_fits(one_passes)) one_passes /= 2;
+  }
+  cfg.one = at_most_one && cfg.KP <= 128 && pr.K == cfg.KP && pr.V % (int64_t(bv) * one_passes) == 0 && a.q.vec &&
+            a.k.vec && a.g.vec && one_dtypes && one_offsets && same_as_pool(a.initial) &&
+            same_as_pool(a.final_state) && !a.token_states.present() && !a.idx_2d &&
             std::getenv("KDAKIT_DECODE_GENERAL") == nullptr;
   if (cfg.one) {
-    passes = 1;
+    passes = one_passes;
     fill_one_args(a, p, pr);
-  }
-  if (const int ov = decode_passes_override(); ov && !cfg.one) {  // developer override for tuning and tests
-    passes = ov;
+    a.one.passes = passes;
+  } else if (passes_override) {
+    passes = passes_override;
     while (passes > 1 && smem_of(passes) > 49152) passes /= 2;
   }
   cfg.passes = a.passes = passes;
@@ -637,7 +657,11 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
     throw InvalidArgument("v", "at most 65535 value heads for the CUDA decode, got " + std::to_string(pr.HV));
   }
   cfg.one_entry = cfg.one && longest <= 1;
-  cfg.smem = cfg.one_entry ? 0 : smem_of(passes);
+  // The one-token entry needs shared memory only for a staged state (several passes); the ONE instance of the general
+  // kernel holds the general path's layout, whose state tile is the same size.
+  cfg.smem = !cfg.one_entry ? smem_of(passes)
+             : passes > 1   ? decode_state_tile_bytes(cfg.KP, pool_bytes, 32 * warps, passes)
+                            : 0;
   cfg.full = a.stage_state && pr.K == cfg.KP && pr.V % (int64_t(bv) * passes) == 0 && same_as_pool(a.final_state) &&
              same_as_pool(a.token_states) && std::getenv("KDAKIT_DECODE_GENERAL") == nullptr;
 

@@ -581,6 +581,45 @@ def test_one_token_form(seed, monkeypatch, lens, fixed, dtype, gate, beta, K, v_
     assert same_bits(o, og) and same_bits(p, pg), "the one-token and the general form differ"
 
 
+@pytest.mark.parametrize("fixed", [True, False])
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_one_token_staged(seed, monkeypatch, fixed, v_first, pool_dtype):
+    """A batch large enough for the one-token form's staged tiles (several passes per CTA, the state in shared
+    memory; chosen by the host, no override): GVA, -1 slots, has_initial_state, poisoned pool; the oracle's results
+    and the general form's bits."""
+    N, H, HV = 80, 2, 8
+    x = make([1] * N, H, HV, 128, dtype=torch.bfloat16, fixed=fixed)
+    P = 2 * N
+    idx = torch.randperm(P, device=DEV)[:N].to(torch.int32)
+    idx[::7] = -1
+    has = torch.rand(N, device=DEV) > 0.2
+    pool = make_pool(P, HV, 128, 128, pool_dtype, v_first, idx[idx >= 0])
+
+    def run():
+        p = pool.clone()
+        out = torch.full_like(x["v"], float("nan"))
+        o, _ = call(x, p, state_v_first=v_first, ssm_state_indices=idx, has_initial_state=has, out=out)
+        torch.cuda.synchronize()
+        return o, p
+
+    monkeypatch.delenv("KDAKIT_DECODE_PASSES", raising=False)
+    monkeypatch.delenv("KDAKIT_DECODE_GENERAL", raising=False)
+    o, p = run()
+    monkeypatch.setenv("KDAKIT_DECODE_GENERAL", "1")
+    og, pg = run()
+    h0 = h0_from_pool(pool, idx.tolist(), v_first, has.tolist())
+    ro, rs = oracle(x, h0)
+    close("o", o, ro, tol(x, pool_dtype))
+    used = [(n, s) for n, s in enumerate(idx.tolist()) if s >= 0]
+    close("slots", torch.stack([kv(p[s], v_first) for _, s in used]), torch.stack([rs[n][-1] for n, _ in used]),
+          tol(x, pool_dtype))
+    untouched = torch.ones(P, dtype=torch.bool, device=DEV)
+    untouched[idx[idx >= 0].long()] = False
+    assert same_bits(p[untouched], pool[untouched])
+    assert same_bits(o, og) and same_bits(p, pg), "the staged one-token form and the general form differ"
+
+
 @pytest.mark.parametrize("v_first", [False, True])
 def test_index_dtypes_agree(seed, v_first):
     """int32 slot ids and cu_seqlens take the one-token form, int64 ones the general form: the same bits either way."""

@@ -53,7 +53,7 @@ struct DecodeConfig {
   bool full = false;  // whole tiles: K == KP, V a multiple of the CTA tile, staged state, state outputs in the pool's
                       // dtype and aligned (the kernel's FULL form, without masks)
   bool one = false;   // at most one token per sequence (the kernel's ONE form, register preparation): K == KP <= 128,
-                      // whole one-pass V tiles, vector-aligned q, k, g rows, states absent or aligned in the pool's
+                      // whole V tiles, vector-aligned q, k, g rows, states absent or aligned in the pool's
                       // dtype, 1-D or no slot indices, no per-token states
   bool one_entry = false;  // ... and every sequence is known to have at most one token: decode_one_kernel
 };
@@ -105,6 +105,7 @@ struct DecodeOneArgs {
   DType has_dtype = DType::kBool;
   int has_stride = 0, idx_stride = 0, cu_stride = 0;
   int T = 0, V = 0, group = 1, group_shift = -1;
+  int passes = 1;  // column groups per CTA tile; > 1: the state is staged in shared memory (cp.async)
   DType in_dtype = DType::kBFloat16;                  // q, k, g, v, beta and out
   int gate_mode = 0;
   float scale = 1.f, lower_bound = -5.f;

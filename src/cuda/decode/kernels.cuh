@@ -527,7 +527,7 @@ __device__ __forceinline__ void load_run(const In* p, float* x) {
   }
 }
 
-// The whole call for this CTA's tile (one pass) when its sequence has at most one token; false (nothing done) when
+// The whole call for this CTA's tile (all its passes) when its sequence has at most one token; false (nothing done) when
 // it has more (varlen calls whose lengths the host could not read), for the general path to take over. Needs what
 // the host checked (DecodeConfig::one): K == KP, whole V tiles, vector-aligned token rows and states in the pool's
 // dtype, 1-D or no slot indices, no per-token states, q, k, v, g, beta and out of one dtype (In), dt_bias and A_log
@@ -556,7 +556,7 @@ struct OneTokenSeq {
   }
 };
 
-template <typename PoolT, bool VK, int KP, typename In>
+template <typename PoolT, bool VK, int KP, bool STAGED, typename In>
 __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const OneTokenSeq& sq_ KDAKIT_STAMP_PARAM) {
   using L = Tile<PoolT, VK, KP>;
   constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL;
@@ -568,7 +568,10 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int n = static_cast<int>(blockIdx.x), hv = static_cast<int>(blockIdx.y);
   const int h = o.group_shift >= 0 ? hv >> o.group_shift : hv / o.group;
-  const int wcol0 = (static_cast<int>(blockIdx.z) * (blockDim.x >> 5) + warp) * kDecodeWarpCols;
+  // The CTA tile: `passes` column groups of bv = 8 * warps columns (STAGED; one otherwise); this warp's columns of
+  // pass p start at wcol0 + p * bv. The thread's keys, and so its q, k and gate, are the same in every pass.
+  const int passes = STAGED ? o.passes : 1, bv = (blockDim.x >> 5) * kDecodeWarpCols;
+  const int wcol0 = static_cast<int>(blockIdx.z) * bv * passes + warp * kDecodeWarpCols;
 
   // Token inputs: every load is issued before any is used (the inputs' offsets do not depend on the slot; with
   // cu_seqlens they wait for the sequence's start).
@@ -580,6 +583,16 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   const int dd0 = VK ? (lane >> 3) * QN : 0;  // the first of this thread's gate keys (slot index)
   const int gkey = key_of<L, VK>(dd0, lane);
   float alog = 0.f;
+  const In *v = nullptr, *bt = nullptr;
+  // v and beta at this thread's columns of pass p (loaded one pass ahead of their use).
+  auto load_v_beta = [&](int p, float (&xv_)[NJ], float (&xb_)[NJ]) {
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj) {
+      const int c = p * bv + col_of<L, VK>(jj, lane);
+      xv_[jj] = to_float(__ldg(v + c));
+      xb_[jj] = to_float(__ldg(bt + (o.beta_cols ? c : 0)));
+    }
+  };
   if (tok) {
     // Offsets in 32 bits (the host checked that every token tensor's do), pointers advanced by compile-time steps.
     const int bi = b, ti = t0;
@@ -605,53 +618,70 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       for (int i = 0; i < QN; ++i) bias[i] = 0.f;
     }
     alog = o.A_log != nullptr ? __ldg(o.A_log + hv) : 0.f;
-    const In* v = static_cast<const In*>(o.v.p) + o.v.offset(bi, ti, hv) + wcol0;
-    const In* bt = static_cast<const In*>(o.beta.p) + o.beta.offset(bi, ti, hv) + (o.beta_cols ? wcol0 : 0);
-#pragma unroll
-    for (int jj = 0; jj < NJ; ++jj) {
-      const int c = col_of<L, VK>(jj, lane);
-      xv[jj] = to_float(__ldg(v + c));
-      xb[jj] = to_float(__ldg(bt + (o.beta_cols ? c : 0)));
-    }
+    v = static_cast<const In*>(o.v.p) + o.v.offset(bi, ti, hv) + wcol0;
+    bt = static_cast<const In*>(o.beta.p) + o.beta.offset(bi, ti, hv) + (o.beta_cols ? wcol0 : 0);
+    load_v_beta(0, xv, xb);
   }
   KDAKIT_STAMP(2);
 
-  // The slot (ids outside the pool: neither read nor written), then the state's loads, straight into registers.
+  // The slot (ids outside the pool: neither read nor written), then the state's loads. One pass: straight into
+  // registers. Several (bf16 pools at large batches): every pass's 16-byte vectors are issued now as cp.async copies
+  // into this thread's own slots of shared memory (one group per pass), so the bytes in flight are bounded by
+  // shared memory rather than registers, and cp.async.wait_group alone orders them (the general form's staged
+  // tile, without its barrier).
   const int rslot = o.initial == nullptr || slot1 < 0 || slot1 >= o.initial_slots || has == 0 ? -1 : slot1;
   const int wslot = o.final_state == nullptr || slot1 < 0 || slot1 >= o.final_slots ? -1 : slot1;
   const Place pf = place_of<L, VK>(KP, o.V, wcol0, lane);
-  const Place pl{pf.off, pf.step, 1 << 20, 1 << 20};
+  auto place = [&](int p) {  // pass p: bv columns further (VK: rows of K elements; [K,V]: elements)
+    return Place{pf.off + p * bv * (VK ? KP : 1), pf.step, 1 << 20, 1 << 20};
+  };
+  const PoolT* src = rslot >= 0 ? static_cast<const PoolT*>(o.initial) + rslot * o.initial_slot_stride +
+                                      hv * o.initial_head_stride
+                                : nullptr;
+  extern __shared__ __align__(16) char one_smem[];
+  const char* staged = one_smem + size_t(tid) * 16;
+  const int pass_bytes = L::NVEC * static_cast<int>(blockDim.x) * 16;
   float S[NJ][ND];
-  if (rslot >= 0) {
-    load_block<PoolT, VK, KP>(S, static_cast<const PoolT*>(o.initial) + rslot * o.initial_slot_stride +
-                                     hv * o.initial_head_stride, pl, true);
-  } else {
+  auto zero_state = [&]() {
 #pragma unroll
     for (int jj = 0; jj < NJ; ++jj) {
 #pragma unroll
       for (int dd = 0; dd < ND; ++dd) S[jj][dd] = 0.f;
     }
+  };
+  if (STAGED) {
+    if (rslot >= 0) {
+      for (int p = 0; p < passes; ++p) {
+        issue_block_async<PoolT, VK, KP>(src, place(p), one_smem + size_t(tid) * 16 + size_t(p) * pass_bytes,
+                                         blockDim.x);
+        cp_async_commit();
+      }
+    }
+  } else if (rslot >= 0) {
+    load_block<PoolT, VK, KP>(S, src, place(0), true);
+  } else {
+    zero_state();
   }
   KDAKIT_STAMP(3);
 
+  // The preparation, once for all passes: the same operations in the same order as the general path (norm_sums,
+  // its preparation and token math), so that a sequence's bits do not depend on which form ran it.
+  float gv[ND], qkn = 0.f;
   if (tok) {
     KDAKIT_STAMP_AFTER(4, xq[ND - 1] + nq_raw[KL - 1] + xg[QN - 1]);
-    // The same operations in the same order as the general path (norm_sums, its preparation and token math): a
-    // sequence's bits do not depend on which form ran it.
     float sq, sk, qk;
     norm_sums<KL>(nq_raw, nk_raw, sq, sk, qk);
     const float eps = static_cast<float>(math::kL2NormEps);
     const float qs = (o.l2norm ? rsqrtf(sq + eps) : 1.f) * o.scale, nk = o.l2norm ? rsqrtf(sk + eps) : 1.f;
-    const float qkn = qk * qs * nk;
+    qkn = qk * qs * nk;
     KDAKIT_STAMP_AFTER(5, qkn);
 #pragma unroll
     for (int dd = 0; dd < ND; ++dd) {
       xq[dd] *= qs;
       xk[dd] *= nk;
     }
-
     const DecodeGate gate(o.gate_mode, alog, o.A_log != nullptr, o.lower_bound);
-    float gq[QN], gv[ND];
+    float gq[QN];
     gate.exp_gates<QN>(xg, bias, gq);
 #pragma unroll
     for (int dd = 0; dd < ND; ++dd) {
@@ -659,59 +689,81 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       else gv[dd] = gq[dd];
     }
     KDAKIT_STAMP_AFTER(6, gv[ND - 1]);
-    KDAKIT_STAMP_AFTER(7, S[NJ - 1][ND - 1]);
+  }
+  const bool leader = VK ? (lane & 7) == 0 : lane < L::LV;
+  const int orow = tok ? o.out.offset(b, t0, hv) + wcol0 : 0;
 
-    // The token: S *= exp(g); kS and qS in one pass; e = beta (v - kS); o = qS + (q.k) e; S += k e^T.
-    float pk[NJ], pq[NJ];
+  for (int p = 0; p < passes; ++p) {
+    if (STAGED) {  // this pass's copies are complete once at most the later passes' groups are in flight
+      if (rslot >= 0) {
+        cp_async_wait_pending(passes - 1 - p);
+        load_block_staged<PoolT, VK, KP>(S, src, place(p), staged + size_t(p) * pass_bytes, blockDim.x);
+      } else {
+        zero_state();
+      }
+    }
+    float nv[NJ], nb[NJ];
+    if (tok && p + 1 < passes) load_v_beta(p + 1, nv, nb);
+    if (tok) {
+      KDAKIT_STAMP_AFTER(7, S[NJ - 1][ND - 1]);
+      // The token: S *= exp(g); kS and qS in one pass; e = beta (v - kS); o = qS + (q.k) e; S += k e^T.
+      float pk[NJ], pq[NJ];
 #pragma unroll
-    for (int jj = 0; jj < NJ; ++jj) pk[jj] = pq[jj] = 0.f;
+      for (int jj = 0; jj < NJ; ++jj) pk[jj] = pq[jj] = 0.f;
 #pragma unroll
-    for (int dd = 0; dd < ND; ++dd) {
+      for (int dd = 0; dd < ND; ++dd) {
+#pragma unroll
+        for (int jj = 0; jj < NJ; ++jj) {
+          const float s = S[jj][dd] * gv[dd];
+          S[jj][dd] = s;
+          pk[jj] = fmaf(xk[dd], s, pk[jj]);
+          pq[jj] = fmaf(xq[dd], s, pq[jj]);
+        }
+      }
+      float e[NJ];
 #pragma unroll
       for (int jj = 0; jj < NJ; ++jj) {
-        const float s = S[jj][dd] * gv[dd];
-        S[jj][dd] = s;
-        pk[jj] = fmaf(xk[dd], s, pk[jj]);
-        pq[jj] = fmaf(xq[dd], s, pq[jj]);
+        pk[jj] = column_sum<L, VK>(pk[jj]);
+        pq[jj] = column_sum<L, VK>(pq[jj]);
+        e[jj] = fast_beta(xb[jj], o.beta_sigmoid, o.neg_eigval) * (xv[jj] - pk[jj]);
+        if (leader) {
+          static_cast<In*>(o.out.p)[orow + p * bv + col_of<L, VK>(jj, lane)] = from_float<In>(fmaf(qkn, e[jj], pq[jj]));
+        }
+      }
+#pragma unroll
+      for (int dd = 0; dd < ND; ++dd) {
+#pragma unroll
+        for (int jj = 0; jj < NJ; ++jj) S[jj][dd] = fmaf(xk[dd], e[jj], S[jj][dd]);
+      }
+      KDAKIT_STAMP_AFTER(8, S[NJ - 1][ND - 1]);
+    }
+    if (wslot >= 0) {
+      store_block_t<PoolT, L, VK>(S, static_cast<PoolT*>(o.final_state) + wslot * o.final_slot_stride +
+                                         hv * o.final_head_stride, place(p), true);
+    }
+    if (tok && p + 1 < passes) {
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj) {
+        xv[jj] = nv[jj];
+        xb[jj] = nb[jj];
       }
     }
-    const bool leader = VK ? (lane & 7) == 0 : lane < L::LV;
-    const int orow = o.out.offset(b, t0, hv);
-    float e[NJ];
-#pragma unroll
-    for (int jj = 0; jj < NJ; ++jj) {
-      pk[jj] = column_sum<L, VK>(pk[jj]);
-      pq[jj] = column_sum<L, VK>(pq[jj]);
-      e[jj] = fast_beta(xb[jj], o.beta_sigmoid, o.neg_eigval) * (xv[jj] - pk[jj]);
-      if (leader) {
-        static_cast<In*>(o.out.p)[orow + wcol0 + col_of<L, VK>(jj, lane)] =
-            from_float<In>(fmaf(qkn, e[jj], pq[jj]));
-      }
-    }
-#pragma unroll
-    for (int dd = 0; dd < ND; ++dd) {
-#pragma unroll
-      for (int jj = 0; jj < NJ; ++jj) S[jj][dd] = fmaf(xk[dd], e[jj], S[jj][dd]);
-    }
-    KDAKIT_STAMP_AFTER(8, S[NJ - 1][ND - 1]);
-  }
-  if (wslot >= 0) {
-    store_block_t<PoolT, L, VK>(S, static_cast<PoolT*>(o.final_state) + wslot * o.final_slot_stride +
-                                       hv * o.final_head_stride, pl, true);
   }
   KDAKIT_STAMP(9);
   return true;
 }
 
 // The one-token form for this CTA: the sequence's scalars, then the body for q's dtype. False: the sequence has
-// more than one token (the general path takes over).
-template <typename PoolT, bool VK, int KP>
+// more than one token (the general path takes over). STAGED: the state staged in shared memory over o.passes
+// passes; a compile-time flag, so that the one-pass body (small batches, where a CTA's time follows the code it
+// fetches) carries no code of the staged one.
+template <typename PoolT, bool VK, int KP, bool STAGED>
 __device__ __forceinline__ bool decode_one_call(const DecodeOneArgs& o KDAKIT_STAMP_PARAM) {
   const OneTokenSeq seq(o);  // before the dispatch, which waits for a kernel parameter
   const DType in_dt = o.in_dtype;
-  return in_dt == DType::kBFloat16 ? decode_one_token<PoolT, VK, KP, __nv_bfloat16>(o, seq KDAKIT_STAMP_ARG)
-         : in_dt == DType::kFloat16 ? decode_one_token<PoolT, VK, KP, __half>(o, seq KDAKIT_STAMP_ARG)
-                                    : decode_one_token<PoolT, VK, KP, float>(o, seq KDAKIT_STAMP_ARG);
+  return in_dt == DType::kBFloat16 ? decode_one_token<PoolT, VK, KP, STAGED, __nv_bfloat16>(o, seq KDAKIT_STAMP_ARG)
+         : in_dt == DType::kFloat16 ? decode_one_token<PoolT, VK, KP, STAGED, __half>(o, seq KDAKIT_STAMP_ARG)
+                                    : decode_one_token<PoolT, VK, KP, STAGED, float>(o, seq KDAKIT_STAMP_ARG);
 }
 
 #ifdef KDAKIT_DECODE_STAMPS
@@ -762,7 +814,8 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
 #endif
   KDAKIT_STAMP(0);
   if constexpr (ONE) {
-    if (decode_one_call<PoolT, VK, KP>(a.one KDAKIT_STAMP_ARG)) {
+    if (a.one.passes > 1 ? decode_one_call<PoolT, VK, KP, true>(a.one KDAKIT_STAMP_ARG)
+                         : decode_one_call<PoolT, VK, KP, false>(a.one KDAKIT_STAMP_ARG)) {
       KDAKIT_STAMP(10);
 #ifdef KDAKIT_DECODE_STAMPS
       decode_detail::print_stamps(stamp_, gt0_, blockDim.x >> 5, 0);
@@ -1095,7 +1148,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
 // The one-token form's own entry, for calls in which the host knows every sequence has at most one token (fixed
 // T = 1, or lengths read on the host): it takes only the packed DecodeOneArgs (304 bytes instead of DecodeArgs'
 // 952), so its launch carries a small argument block, and holds no general path (no fall-back to size for).
-template <typename PoolT, bool VK, int KP>
+template <typename PoolT, bool VK, int KP, bool STAGED>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 4) decode_one_kernel(const DecodeOneArgs o) {
 #ifdef KDAKIT_DECODE_STAMPS
   long long stamp_[11] = {};
@@ -1103,7 +1156,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 4) decode_one_kernel(con
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt0_)::"memory");
 #endif
   KDAKIT_STAMP(0);
-  decode_detail::decode_one_call<PoolT, VK, KP>(o KDAKIT_STAMP_ARG);
+  decode_detail::decode_one_call<PoolT, VK, KP, STAGED>(o KDAKIT_STAMP_ARG);
   KDAKIT_STAMP(10);
 #ifdef KDAKIT_DECODE_STAMPS
   decode_detail::print_stamps(stamp_, gt0_, blockDim.x >> 5, 0);

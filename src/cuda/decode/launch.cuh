@@ -13,16 +13,18 @@ namespace kdakit::cuda {
 
 template <typename PoolT, bool VK, int KP>
 void launch_decode_kernel(const DecodeArgs& a, const DecodeConfig& cfg, cudaStream_t stream) {
-  auto kernel = cfg.full ? decode_kernel<PoolT, VK, KP, true, false> : decode_kernel<PoolT, VK, KP, false, false>;
   const dim3 grid(static_cast<unsigned>(a.N), static_cast<unsigned>(a.HV), static_cast<unsigned>(a.vtiles));
+  auto kernel = cfg.full ? decode_kernel<PoolT, VK, KP, true, false> : decode_kernel<PoolT, VK, KP, false, false>;
+  bool one_entry = false;
   if constexpr (KP <= 128) {
-    if (cfg.one && cfg.one_entry) {
-      decode_one_kernel<PoolT, VK, KP><<<grid, 32 * cfg.warps, 0, stream>>>(a.one);
-    } else if (cfg.one) {
-      kernel = decode_kernel<PoolT, VK, KP, false, true>;
+    one_entry = cfg.one_entry;
+    if (one_entry) {
+      auto one = cfg.passes > 1 ? decode_one_kernel<PoolT, VK, KP, true> : decode_one_kernel<PoolT, VK, KP, false>;
+      one<<<grid, 32 * cfg.warps, cfg.smem, stream>>>(a.one);
     }
+    else if (cfg.one) kernel = decode_kernel<PoolT, VK, KP, false, true>;
   }
-  if (!(KP <= 128 && cfg.one && cfg.one_entry)) kernel<<<grid, 32 * cfg.warps, cfg.smem, stream>>>(a);
+  if (!one_entry) kernel<<<grid, 32 * cfg.warps, cfg.smem, stream>>>(a);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw CudaError(std::string("kdakit: decode_kernel launch failed: ") + cudaGetErrorString(err));
 }
