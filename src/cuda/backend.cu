@@ -619,7 +619,8 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   // bytes in flight than registers hold) where the grid keeps at least two CTAs per SM; one pass (the state straight
   // to registers, the shortest chain) below that. H200 sweep, docs/perf-notes.md: T1 N32 H16 bf16 11.5 / 9.4 / 8.5 us
   // at 1 / 2 / 4 passes, N8 H16 bf16 3.8 / 4.2 / 5.2, N1024 H16 fp32 626 / 591 (two passes: 32 KB).
-  const int passes_override = decode_passes_override();  // developer override for tuning and tests
+  const int passes_override = decode_passes_override();  // developer overrides for tuning and tests
+  const bool force_general = std::getenv("KDAKIT_DECODE_GENERAL") != nullptr;  // the masked general form
   auto one_tile_fits = [&](int P) {
     return a.stage_state && pr.V % (int64_t(bv) * P) == 0 &&
            decode_state_tile_bytes(cfg.KP, pool_bytes, 32 * warps, P) <= 32768 && smem_of(P) <= 49152;
@@ -638,7 +639,7 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   cfg.one = at_most_one && cfg.KP <= 128 && pr.K == cfg.KP && pr.V % (int64_t(bv) * one_passes) == 0 && a.q.vec &&
             a.k.vec && a.g.vec && one_dtypes && one_offsets && same_as_pool(a.initial) &&
             same_as_pool(a.final_state) && !a.token_states.present() && !a.idx_2d &&
-            std::getenv("KDAKIT_DECODE_GENERAL") == nullptr;
+            !force_general;
   if (cfg.one) {
     passes = one_passes;
     fill_one_args(a, p, pr);
@@ -663,7 +664,7 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
              : passes > 1   ? decode_state_tile_bytes(cfg.KP, pool_bytes, 32 * warps, passes)
                             : 0;
   cfg.full = a.stage_state && pr.K == cfg.KP && pr.V % (int64_t(bv) * passes) == 0 && same_as_pool(a.final_state) &&
-             same_as_pool(a.token_states) && std::getenv("KDAKIT_DECODE_GENERAL") == nullptr;
+             same_as_pool(a.token_states) && !force_general;
 
   DeviceGuard guard(pr.device_index);
   auto s = static_cast<cudaStream_t>(stream);

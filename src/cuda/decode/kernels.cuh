@@ -29,7 +29,8 @@
 // (rsqrtf and the special function unit: ex2.approx, as the CUDA forward's gate).
 //
 // The one-token form (ONE, decode_one_token) serves calls whose sequences have at most one token: every thread
-// loads and prepares its own inputs in registers, with no shared memory and no barrier (docs/ARCHITECTURE.md).
+// loads and prepares its own inputs in registers, with no barrier; its state goes straight to registers (one pass)
+// or, at large batches (STAGED), through the thread's own slots of a staged tile (docs/ARCHITECTURE.md).
 #pragma once
 
 #include <cuda_bf16.h>
