@@ -481,6 +481,56 @@ __device__ __forceinline__ void norm_sums(const float (&xq)[KL], const float (&x
   }
 }
 
+// ---- the token math, shared by both forms -------------------------------------------------------------------
+// One token on the thread's state part, in the order both forms use (their results agree to the bit). `keys(dd, q,
+// k, g)` gives q, k and exp(gate) of the thread's GRP consecutive keys from key slot dd on (shared memory in the
+// general form, registers in the one-token form).
+//   token_sums: S *= exp(g); kS and qS from the decayed state, summed over K (every lane of a column group gets
+//               the sums).
+//   token_update: S += k e^T.
+template <typename L, bool VK, typename Keys>
+__device__ __forceinline__ void token_sums(float (&S)[L::NJ][L::ND], const Keys& keys, float (&pk)[L::NJ],
+                                           float (&pq)[L::NJ]) {
+  constexpr int GRP = L::GRP;
+#pragma unroll
+  for (int jj = 0; jj < L::NJ; ++jj) pk[jj] = pq[jj] = 0.f;
+#pragma unroll
+  for (int dd = 0; dd < L::ND; dd += GRP) {
+    float qv[GRP], kv[GRP], gv[GRP];
+    keys(dd, qv, kv, gv);
+#pragma unroll
+    for (int i = 0; i < GRP; ++i) {
+#pragma unroll
+      for (int jj = 0; jj < L::NJ; ++jj) {
+        const float s = S[jj][dd + i] * gv[i];
+        S[jj][dd + i] = s;
+        pk[jj] = fmaf(kv[i], s, pk[jj]);
+        pq[jj] = fmaf(qv[i], s, pq[jj]);
+      }
+    }
+  }
+#pragma unroll
+  for (int jj = 0; jj < L::NJ; ++jj) {
+    pk[jj] = column_sum<L, VK>(pk[jj]);
+    pq[jj] = column_sum<L, VK>(pq[jj]);
+  }
+}
+
+template <typename L, typename KeysK>
+__device__ __forceinline__ void token_update(float (&S)[L::NJ][L::ND], const KeysK& keys_k, const float (&e)[L::NJ]) {
+  constexpr int GRP = L::GRP;
+#pragma unroll
+  for (int dd = 0; dd < L::ND; dd += GRP) {
+    float kv[GRP];
+    keys_k(dd, kv);
+#pragma unroll
+    for (int i = 0; i < GRP; ++i) {
+#pragma unroll
+      for (int jj = 0; jj < L::NJ; ++jj) S[jj][dd + i] = fmaf(kv[i], e[jj], S[jj][dd + i]);
+    }
+  }
+}
+
 // ---- one token per sequence: the preparation in registers -----------------------------------------------------
 // Serving decode (every sequence has at most one token): each thread loads and prepares exactly the inputs it uses
 // -- q, k and the gate at its keys, v and beta at its columns -- in registers. No shared memory and no barrier, so
@@ -708,34 +758,28 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     if (tok) {
       KDAKIT_STAMP_AFTER(7, S[NJ - 1][ND - 1]);
       // The token: S *= exp(g); kS and qS in one pass; e = beta (v - kS); o = qS + (q.k) e; S += k e^T.
+      constexpr int GRP = L::GRP;
       float pk[NJ], pq[NJ];
+      token_sums<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
 #pragma unroll
-      for (int jj = 0; jj < NJ; ++jj) pk[jj] = pq[jj] = 0.f;
-#pragma unroll
-      for (int dd = 0; dd < ND; ++dd) {
-#pragma unroll
-        for (int jj = 0; jj < NJ; ++jj) {
-          const float s = S[jj][dd] * gv[dd];
-          S[jj][dd] = s;
-          pk[jj] = fmaf(xk[dd], s, pk[jj]);
-          pq[jj] = fmaf(xq[dd], s, pq[jj]);
+        for (int i = 0; i < GRP; ++i) {
+          q_[i] = xq[dd + i];
+          k_[i] = xk[dd + i];
+          g_[i] = gv[dd + i];
         }
-      }
+      }, pk, pq);
       float e[NJ];
 #pragma unroll
       for (int jj = 0; jj < NJ; ++jj) {
-        pk[jj] = column_sum<L, VK>(pk[jj]);
-        pq[jj] = column_sum<L, VK>(pq[jj]);
         e[jj] = fast_beta(xb[jj], o.beta_sigmoid, o.neg_eigval) * (xv[jj] - pk[jj]);
         if (leader) {
           static_cast<In*>(o.out.p)[orow + p * bv + col_of<L, VK>(jj, lane)] = from_float<In>(fmaf(qkn, e[jj], pq[jj]));
         }
       }
+      token_update<L>(S, [&](int dd, float (&k_)[GRP]) {
 #pragma unroll
-      for (int dd = 0; dd < ND; ++dd) {
-#pragma unroll
-        for (int jj = 0; jj < NJ; ++jj) S[jj][dd] = fmaf(xk[dd], e[jj], S[jj][dd]);
-      }
+        for (int i = 0; i < GRP; ++i) k_[i] = xk[dd + i];
+      }, e);
       KDAKIT_STAMP_AFTER(8, S[NJ - 1][ND - 1]);
     }
     if (wslot >= 0) {
@@ -1081,31 +1125,12 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
         const float* k = sK + tt * KP;
         const float* g = sA + tt * KP;
         float pk[NJ], pq[NJ];
-#pragma unroll
-        for (int jj = 0; jj < NJ; ++jj) pk[jj] = pq[jj] = 0.f;
-#pragma unroll
-        for (int dd = 0; dd < ND; dd += GRP) {
+        token_sums<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
           const int d = key_of<L, VK>(dd, lane);
-          float gv[GRP], kv[GRP], qv[GRP];
-          load_keys<GRP>(g + d, gv);
-          load_keys<GRP>(k + d, kv);
-          load_keys<GRP>(q + d, qv);
-#pragma unroll
-          for (int i = 0; i < GRP; ++i) {
-#pragma unroll
-            for (int jj = 0; jj < NJ; ++jj) {
-              const float s = S[jj][dd + i] * gv[i];
-              S[jj][dd + i] = s;
-              pk[jj] = fmaf(kv[i], s, pk[jj]);
-              pq[jj] = fmaf(qv[i], s, pq[jj]);
-            }
-          }
-        }
-#pragma unroll
-        for (int jj = 0; jj < NJ; ++jj) {
-          pk[jj] = column_sum<L, VK>(pk[jj]);
-          pq[jj] = column_sum<L, VK>(pq[jj]);
-        }
+          load_keys<GRP>(g + d, g_);
+          load_keys<GRP>(k + d, k_);
+          load_keys<GRP>(q + d, q_);
+        }, pk, pq);
         const int64_t s = int64_t(t0) + i0 + tt;
         const float qk = sQK[tt];
         // After the butterfly every lane of a column group holds the sums; the group's first lane stores o.
@@ -1118,16 +1143,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
           e[jj] = sB[tt * bvt + cl] * (sV[tt * bvt + cl] - pk[jj]);
           if (leader && col0 + cl < Vc) a.out.store(orow + cl, fmaf(qk, e[jj], pq[jj]));
         }
-#pragma unroll
-        for (int dd = 0; dd < ND; dd += GRP) {
-          float kv[GRP];
-          load_keys<GRP>(k + key_of<L, VK>(dd, lane), kv);
-#pragma unroll
-          for (int i = 0; i < GRP; ++i) {
-#pragma unroll
-            for (int jj = 0; jj < NJ; ++jj) S[jj][dd + i] = fmaf(kv[i], e[jj], S[jj][dd + i]);
-          }
-        }
+        token_update<L>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_of<L, VK>(dd, lane), k_); }, e);
         if (a.token_states.present()) {
           store_block<PoolT, L, VK, FULL>(S, a.token_states, a.token_states.block(int64_t(b) * a.T + s, hv), pl);
         }
