@@ -590,12 +590,9 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
     passes = P;
     break;
   }
-  // One token per sequence (serving decode): the register-prepared form with one-pass tiles, where its conditions
-  // hold (DecodeConfig::one). Without known lengths (device cu_seqlens) a call of at most N tokens still takes it;
-  // a longer sequence's CTAs then run the general path, which needs the shared memory of one pass. Its state loads
-  // go straight to registers (128 B in flight per thread with an fp32 pool, 64 B with bf16): a bf16 pool at large
-  // batches (the general form's 32 KB staged tiles, 4 passes) keeps the general form, whose staged tiles put more
-  // bytes in flight (H200: T1 N1024 H16 bf16 328 vs 433 us; fp32 pools were as fast or faster in the one-token form).
+  // One token per sequence (serving decode): the register-prepared form, where its conditions hold
+  // (DecodeConfig::one). Without known lengths (device cu_seqlens) a call of at most N tokens still takes it; a
+  // longer sequence's CTAs then run the general path in the same launch, with the same tile. Its tile: below.
   const bool at_most_one = longest <= 1 || (pr.varlen && pr.T <= pr.N);
   auto same_as_pool = [&](const DecodeState& o) {
     return !o.present() || (o.dtype == pool.dtype && o.vec);

@@ -676,7 +676,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   KDAKIT_STAMP(2);
 
   // The slot (ids outside the pool: neither read nor written), then the state's loads. One pass: straight into
-  // registers. Several (bf16 pools at large batches): every pass's 16-byte vectors are issued now as cp.async copies
+  // registers. Several (large batches): every pass's 16-byte vectors are issued now as cp.async copies
   // into this thread's own slots of shared memory (one group per pass), so the bytes in flight are bounded by
   // shared memory rather than registers, and cp.async.wait_group alone orders them (the general form's staged
   // tile, without its barrier).
@@ -690,7 +690,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
                                       hv * o.initial_head_stride
                                 : nullptr;
   extern __shared__ __align__(16) char one_smem[];
-  const char* staged = one_smem + size_t(tid) * 16;
+  char* staged = one_smem + size_t(tid) * 16;  // this thread's slots
   const int pass_bytes = L::NVEC * static_cast<int>(blockDim.x) * 16;
   float S[NJ][ND];
   auto zero_state = [&]() {
@@ -703,8 +703,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   if (STAGED) {
     if (rslot >= 0) {
       for (int p = 0; p < passes; ++p) {
-        issue_block_async<PoolT, VK, KP>(src, place(p), one_smem + size_t(tid) * 16 + size_t(p) * pass_bytes,
-                                         blockDim.x);
+        issue_block_async<PoolT, VK, KP>(src, place(p), staged + size_t(p) * pass_bytes, blockDim.x);
         cp_async_commit();
       }
     }

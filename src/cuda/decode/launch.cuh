@@ -21,8 +21,9 @@ void launch_decode_kernel(const DecodeArgs& a, const DecodeConfig& cfg, cudaStre
     if (one_entry) {
       auto one = cfg.passes > 1 ? decode_one_kernel<PoolT, VK, KP, true> : decode_one_kernel<PoolT, VK, KP, false>;
       one<<<grid, 32 * cfg.warps, cfg.smem, stream>>>(a.one);
+    } else if (cfg.one) {
+      kernel = decode_kernel<PoolT, VK, KP, false, true>;
     }
-    else if (cfg.one) kernel = decode_kernel<PoolT, VK, KP, false, true>;
   }
   if (!one_entry) kernel<<<grid, 32 * cfg.warps, cfg.smem, stream>>>(a);
   const cudaError_t err = cudaGetLastError();
