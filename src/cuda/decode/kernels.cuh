@@ -60,6 +60,11 @@
   } while (0)
 #define KDAKIT_STAMP_PARAM , long long* stamp_
 #define KDAKIT_STAMP_ARG , stamp_
+// A kernel's stamp array and global start time.
+#define KDAKIT_STAMPS_BEGIN                                             \
+  long long stamp_[11] = {};                                            \
+  unsigned long long gt0_;                                              \
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt0_)::"memory")
 #else
 #define KDAKIT_STAMP(i) \
   do {                  \
@@ -69,6 +74,9 @@
   } while (0)
 #define KDAKIT_STAMP_PARAM
 #define KDAKIT_STAMP_ARG
+#define KDAKIT_STAMPS_BEGIN \
+  do {                      \
+  } while (0)
 #endif
 
 namespace kdakit::cuda {
@@ -617,7 +625,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   constexpr int QN = VK ? ND / 4 : ND;
   static_assert(!VK || QN <= L::VEC, "a quarter of a thread's keys lies in one run");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int n = static_cast<int>(blockIdx.x), hv = static_cast<int>(blockIdx.y);
+  const int hv = static_cast<int>(blockIdx.y);
   const int h = o.group_shift >= 0 ? hv >> o.group_shift : hv / o.group;
   // The CTA tile: `passes` column groups of bv = 8 * warps columns (STAGED; one otherwise); this warp's columns of
   // pass p start at wcol0 + p * bv. The thread's keys, and so its q, k and gate, are the same in every pass.
@@ -851,11 +859,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
     decode_kernel(const DecodeArgs a) {
   using namespace decode_detail;
   static_assert(!(ONE && FULL), "the one-token form falls back to the general (masked) path");
-#ifdef KDAKIT_DECODE_STAMPS
-  long long stamp_[11] = {};
-  unsigned long long gt0_;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt0_)::"memory");
-#endif
+  KDAKIT_STAMPS_BEGIN;
   KDAKIT_STAMP(0);
   if constexpr (ONE) {
     if (a.one.passes > 1 ? decode_one_call<PoolT, VK, KP, true>(a.one KDAKIT_STAMP_ARG)
@@ -1166,11 +1170,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
 // 952), so its launch carries a small argument block, and holds no general path (no fall-back to size for).
 template <typename PoolT, bool VK, int KP, bool STAGED>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 4) decode_one_kernel(const DecodeOneArgs o) {
-#ifdef KDAKIT_DECODE_STAMPS
-  long long stamp_[11] = {};
-  unsigned long long gt0_;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt0_)::"memory");
-#endif
+  KDAKIT_STAMPS_BEGIN;
   KDAKIT_STAMP(0);
   decode_detail::decode_one_call<PoolT, VK, KP, STAGED>(o KDAKIT_STAMP_ARG);
   KDAKIT_STAMP(10);
