@@ -159,6 +159,23 @@ def call(x, pool, **kw):
                                               x["scale"], cu_seqlens=x["cu"], **x["opts"], **kw)
 
 
+def call_on_copy(x, pool, **kw):
+    """One call on a copy of `pool` with a NaN-poisoned caller `out`: (returned output, that `out`, the copy)."""
+    p = pool.clone()
+    out = torch.full_like(x["v"], float("nan"))
+    o, _ = call(x, p, out=out, **kw)
+    torch.cuda.synchronize()
+    return o, out, p
+
+
+def host_then_general(monkeypatch, run):
+    """run() in the form the host chooses, then in the masked general form (KDAKIT_DECODE_GENERAL)."""
+    monkeypatch.delenv("KDAKIT_DECODE_GENERAL", raising=False)
+    chosen = run()
+    monkeypatch.setenv("KDAKIT_DECODE_GENERAL", "1")
+    return chosen, run()
+
+
 def h0_from_pool(pool, slots, v_first, has=None):
     """Initial states of the oracle: pool[slot] per sequence, zero for slot -1 or has_initial_state False."""
     HV = pool.shape[1]
@@ -558,17 +575,11 @@ def test_one_token_form(seed, monkeypatch, lens, fixed, dtype, gate, beta, K, v_
     pool = make_pool(P, HV, K, K, pool_dtype, v_first, idx[idx >= 0])
 
     def run():
-        p = pool.clone()
-        out = torch.full_like(x["v"], float("nan"))
-        o, _ = call(x, p, state_v_first=v_first, ssm_state_indices=idx, has_initial_state=has, out=out)
+        o, out, p = call_on_copy(x, pool, state_v_first=v_first, ssm_state_indices=idx, has_initial_state=has)
         assert o is out
-        torch.cuda.synchronize()
         return o, p
 
-    monkeypatch.delenv("KDAKIT_DECODE_GENERAL", raising=False)
-    o, p = run()
-    monkeypatch.setenv("KDAKIT_DECODE_GENERAL", "1")
-    og, pg = run()
+    (o, p), (og, pg) = host_then_general(monkeypatch, run)
     h0 = h0_from_pool(pool, idx.tolist(), v_first, has.tolist())
     ro, rs = oracle(x, h0)
     close("o", o, ro, tol(x, dtype))
@@ -597,17 +608,11 @@ def test_one_token_staged(seed, monkeypatch, fixed, v_first, pool_dtype):
     pool = make_pool(P, HV, 128, 128, pool_dtype, v_first, idx[idx >= 0])
 
     def run():
-        p = pool.clone()
-        out = torch.full_like(x["v"], float("nan"))
-        o, _ = call(x, p, state_v_first=v_first, ssm_state_indices=idx, has_initial_state=has, out=out)
-        torch.cuda.synchronize()
+        o, _, p = call_on_copy(x, pool, state_v_first=v_first, ssm_state_indices=idx, has_initial_state=has)
         return o, p
 
     monkeypatch.delenv("KDAKIT_DECODE_PASSES", raising=False)
-    monkeypatch.delenv("KDAKIT_DECODE_GENERAL", raising=False)
-    o, p = run()
-    monkeypatch.setenv("KDAKIT_DECODE_GENERAL", "1")
-    og, pg = run()
+    (o, p), (og, pg) = host_then_general(monkeypatch, run)
     h0 = h0_from_pool(pool, idx.tolist(), v_first, has.tolist())
     ro, rs = oracle(x, h0)
     close("o", o, ro, tol(x, pool_dtype))
