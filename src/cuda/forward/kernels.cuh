@@ -958,6 +958,334 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
   }
 }
 
+// ---- recurrence with value rows per warp (K <= 128) ---------------------------------------------------------
+// The same chunk step with the state transposed: warp w of a CTA owns value rows [16 w, 16 w + 16) of the CTA's BV
+// columns for every key (S^T: 16 x KP fp32 accumulators). An accumulator tile pair (m16 x n8, n8) is laid out as an
+// m16 x k16 A fragment, so each product takes the state or v_new as its A operand straight from registers and only
+// the workspace tiles (w, qg, kg, Aqk) are B operands from shared memory:
+//   v_new^T = u^T - S^T w^T,   o^T = S^T qg^T + v_new^T Aqk^T,   S^T = S^T diag(gamma) + v_new^T kg.
+// The warps share nothing within a chunk step: no state tiles in shared memory, no barrier but the stage hand-over,
+// and half the shared-memory reads of recurrence_kernel's 16 x 16 warp tiles (whose S and v_new operands went through
+// shared memory and were read by four warps each). Products, roundings and their k order are those of
+// recurrence_kernel (bf16 operands: the chunk-start state as hi + lo, v_new rounded once, Aqk as hi + lo).
+// KP <= 128: the state takes KP / 2 registers per thread.
+template <typename Elem, int KP, int BV, bool ONE_STAGE = false>
+struct VrowsLayout {
+  static constexpr int PAD = smem_pad<Elem>();
+  static constexpr int LDK = KP + PAD, LDB = BV + PAD, LDA = 64 + PAD;
+  static constexpr int WARPS = BV / 16, THREADS = 32 * WARPS;
+  // Two stages (the next chunk's tiles prefetched) for bf16 operands; ONE_STAGE for devices with less shared memory.
+  static constexpr int STAGES = (!ONE_STAGE && sizeof(Elem) == 2) ? 2 : 1;
+  static constexpr bool SPLIT_A = sizeof(Elem) == 2;  // Aqk's lo tile (bf16 operands)
+  static constexpr size_t stage_bytes() {
+    return sizeof(Elem) * (3 * 64 * LDK + 64 * LDB + (SPLIT_A ? 2 : 1) * 64 * LDA) + 4 * KP;
+  }
+  static constexpr size_t stage_stride() { return (stage_bytes() + 15) & ~size_t(15); }
+  static constexpr size_t bytes() { return STAGES * stage_stride(); }
+};
+
+// The A fragment (m16 x k16) of accumulator n-tiles c0 (k 0..7) and c1 (k 8..15): split into hi + lo bf16 (a[0],
+// a[1]) or rounded once to bf16 (a[0]).
+template <bool SPLIT>
+__device__ __forceinline__ void acc_to_a(const FragC& c0, const FragC& c1, FragA (&a)[SPLIT ? 2 : 1]) {
+  if constexpr (SPLIT) {
+    split_pack(c0.x[0], c0.x[1], a[0].x[0], a[1].x[0]);
+    split_pack(c0.x[2], c0.x[3], a[0].x[1], a[1].x[1]);
+    split_pack(c1.x[0], c1.x[1], a[0].x[2], a[1].x[2]);
+    split_pack(c1.x[2], c1.x[3], a[0].x[3], a[1].x[3]);
+  } else {
+    a[0].x[0] = pack_bf16(c0.x[0], c0.x[1]);
+    a[0].x[1] = pack_bf16(c0.x[2], c0.x[3]);
+    a[0].x[2] = pack_bf16(c1.x[0], c1.x[1]);
+    a[0].x[3] = pack_bf16(c1.x[2], c1.x[3]);
+  }
+}
+
+// c += A B with A split as hi + lo (the state): bf16 operands B in one part (lo product first), float operands B
+// split too (Operand<float>::mma, three MMAs).
+template <typename Elem>
+__device__ __forceinline__ void mma_split_a(FragC& c, const FragA (&a)[2], const FragB (&b)[Operand<Elem>::kSplit]) {
+  if constexpr (sizeof(Elem) == 2) {
+    mma_bf16(c, a[1], b[0]);
+    mma_bf16(c, a[0], b[0]);
+  } else {
+    Operand<Elem>::mma(c, a, b);
+  }
+}
+
+// SCAN as in recurrence_kernel (the context-parallel pre-scan: E from value tiles, M from transition tiles).
+template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE = false>
+__global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence_vrows_kernel(const ForwardArgs a) {
+  using L = VrowsLayout<Elem, KP, BV, ONE_STAGE>;
+  using Op = Operand<Elem>;
+  static_assert(KP <= 128, "the transposed state holds KP / 2 registers per thread");
+  constexpr int NT = L::THREADS;
+  constexpr int ND = KP / 8;   // state n-tiles (keys)
+  constexpr int NC = 64 / 8;   // chunk-row n-tiles at the 64-row maximum
+  constexpr int SP = Op::kSplit;
+  constexpr bool SPLIT_V = sizeof(Elem) == 4;  // v_new as an A operand: split (float operands) or rounded once
+  constexpr int EPC = 16 / sizeof(Elem);
+  const int C = a.chunk;
+  const int VT = (a.V + BV - 1) / BV;
+  const int TILES = SCAN ? VT + KP / BV : VT;
+  int64_t idx = blockIdx.x;
+  const int tile = static_cast<int>(idx % TILES);
+  idx /= TILES;
+  const int hv = static_cast<int>(idx % a.HV);
+  const int64_t gseg = idx / a.HV;  // segment slot
+  int n;
+  int64_t seg;
+  if (!segment_sequence(a, gseg, n, seg)) return;
+  int64_t b, t0, len;
+  a.sequence(n, b, t0, len);
+  const int64_t nch_all = (len + C - 1) / C;
+  int64_t per;
+  const int64_t nseg = a.segments_of(nch_all, per);
+  const int64_t c_begin = seg * per, c_end = min(nch_all, c_begin + per);  // this segment's chunks
+  const bool trans = SCAN && tile >= VT;  // transition rows (keys), SCAN only
+  if (SCAN && (seg == nseg - 1 || (trans && seg == 0))) return;  // no scan of last segments; seg 0 needs no M
+  const int vt = trans ? tile - VT : tile;
+  const int ncols = trans ? a.K : a.V;  // valid value rows of this tile's kind
+  const int64_t base = a.chunk_offsets[n];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int r0 = 16 * warp;     // this warp's first row within the tile
+  const int v0 = vt * BV + r0;  // ... as a value (or key, for transition tiles) index
+  auto seg_row = [&](int64_t g, int d) { return a.ws_seg + ((g * a.HV + hv) * KP + d) * a.seg_ld; };
+  const int seg_col0 = trans ? VT * BV : 0;
+
+  extern __shared__ __align__(16) char smem_raw[];
+  struct Stage {
+    Elem *w, *q, *k, *u, *a, *alo;
+    float* gam;
+  };
+  auto stage = [&](int st) {
+    Stage t;
+    char* p = smem_raw + st * L::stage_stride();
+    t.w = reinterpret_cast<Elem*>(p);
+    t.q = t.w + 64 * L::LDK;
+    t.k = t.q + 64 * L::LDK;
+    t.u = t.k + 64 * L::LDK;
+    t.a = t.u + 64 * L::LDB;
+    t.alo = t.a + 64 * L::LDA;  // SPLIT_A only
+    t.gam = reinterpret_cast<float*>(t.a + (L::SPLIT_A ? 2 : 1) * 64 * L::LDA);
+    return t;
+  };
+
+  int64_t slot = n;
+  if (a.state_indices.present()) slot = a.state_indices.load_int(n);
+  const bool read = seg == 0 && a.initial.ptr.present() && slot >= 0 &&
+                    (!a.has_initial_state.present() || a.has_initial_state.load_int(n) != 0);
+  const bool write = !SCAN && c_end == nch_all && a.final_state.ptr.present() && slot >= 0;
+
+  // S^T: accumulator (nd, e) holds value row v0 + row, key col (for_each_acc coordinates). State accesses switch on
+  // the dtype once (with_typed), not per element: this code runs once per CTA from a cold instruction cache, and a
+  // switch per element made it ~70 KB.
+  FragC S[ND];
+  auto state_at = [&](int d, int v) { return a.vk ? int64_t(v) * a.K + d : int64_t(d) * a.V + v; };
+  if (!trans && read) {
+    with_typed(a.initial.ptr, [&](const auto* sp) {
+      sp += slot * a.initial.slot_stride + hv * a.initial.head_stride;
+      for_each_acc<1, ND>([&](int, int nd, int e, int row, int d) {
+        const int v = v0 + row;
+        S[nd].x[e] = d < a.K && v < a.V ? static_cast<float>(sp[state_at(d, v)]) : 0.f;
+      });
+    });
+  } else {
+    for_each_acc<1, ND>([&](int, int nd, int e, int row, int d) {
+      const int v = v0 + row;
+      float x = 0.f;
+      if (trans) x = d == v && d < a.K ? 1.f : 0.f;
+      else if (!SCAN && seg > 0 && d < a.K && v < a.V) x = seg_row(gseg - 1, d)[v];
+      S[nd].x[e] = x;
+    });
+  }
+
+  auto tile_of = [&](void* ws, int64_t ci) {
+    return static_cast<const Elem*>(ws) + ((base + ci) * a.HV + hv) * C * KP;
+  };
+  auto copy_tile = [&](Elem* dst, const Elem* src) {  // [C][KP] from the workspace
+    constexpr int KC = KP / EPC;
+#pragma unroll 4
+    for (int i = 0; i < (64 * KC + NT - 1) / NT; ++i) {
+      const int e = tid + i * NT, r = e / KC, c = (e % KC) * EPC;
+      if (r < C) cp_async16(dst + r * L::LDK + c, src + r * KP + c);
+    }
+  };
+  auto issue = [&](int64_t ci, int st) {
+    const Stage t = stage(st);
+    const int64_t wtile = (base + ci) * a.HV + hv;
+    copy_tile(t.w, tile_of(a.ws_w, ci));
+    if (!SCAN) copy_tile(t.q, tile_of(a.ws_qg, ci));
+    copy_tile(t.k, tile_of(a.ws_kg, ci));
+    if (!trans) {  // transition rows have u = 0
+      const Elem* gu = static_cast<const Elem*>(a.ws_u) + wtile * C * a.VP + vt * BV;
+      constexpr int BC = BV / EPC;
+#pragma unroll 4
+      for (int i = 0; i < (64 * BC + NT - 1) / NT; ++i) {
+        const int e = tid + i * NT, r = e / BC, c = (e % BC) * EPC;
+        if (r < C) cp_async16(t.u + r * L::LDB + c, gu + r * a.VP + c);
+      }
+    }
+    if (!SCAN) {
+      const Elem* ga = static_cast<const Elem*>(a.ws_a) + wtile * C * C;
+      const int AC = C / EPC;
+      const Elem* galo = static_cast<const Elem*>(a.ws_alo) + wtile * C * C;
+      for (int e = tid; e < C * AC; e += NT) {
+        const int r = e / AC, c = (e % AC) * EPC;
+        cp_async16(t.a + r * L::LDA + c, ga + r * C + c);
+        if constexpr (L::SPLIT_A) cp_async16(t.alo + r * L::LDA + c, galo + r * C + c);
+      }
+    }
+    const float* gg = a.ws_gam + wtile * KP;
+    for (int e = tid; e < KP / 4; e += NT) cp_async16(t.gam + 4 * e, gg + 4 * e);
+    cp_async_commit();
+  };
+
+  const int NCC = C / 8;  // chunk-row n-tiles of this chunk size
+  if (c_begin < c_end) issue(c_begin, 0);
+  for (int64_t ci = c_begin; ci < c_end; ++ci) {
+    const int st = L::STAGES == 2 ? static_cast<int>((ci - c_begin) & 1) : 0;
+    cp_async_wait<0>();
+    __syncthreads();  // chunk ci visible; every warp is done with chunk ci-1's stage
+    if (L::STAGES == 2 && ci + 1 < c_end) issue(ci + 1, st ^ 1);
+    const Stage t = stage(st);
+    const int nrows = static_cast<int>(min(static_cast<int64_t>(C), len - ci * C));
+
+    if (!SCAN && a.inter.present()) {  // the chunk-start state
+      const int64_t inter_base =
+          a.cu_seqlens.present() ? (base + ci) * a.inter_sc : b * a.inter_sb + ci * a.inter_sc;
+      with_typed(a.inter, [&](auto* ip) {
+        using IT = std::remove_pointer_t<decltype(ip)>;
+        ip += inter_base + hv * a.inter_sh;
+        for_each_acc<1, ND>([&](int, int nd, int e, int row, int d) {
+          const int v = v0 + row;
+          if (d < a.K && v < a.V) ip[state_at(d, v)] = from_float<IT>(S[nd].x[e]);
+        });
+      });
+    }
+
+    // v_new^T = u^T - S^T w^T and o^T = S^T qg^T: the state's A fragment split once per key step, both products.
+    FragC vn[NC], o[NC];
+#pragma unroll
+    for (int i = 0; i < NC; ++i) { vn[i].zero(); o[i].zero(); }
+#pragma unroll
+    for (int kd = 0; kd < KP / 16; ++kd) {
+      FragA sa[2];
+      acc_to_a<true>(S[2 * kd], S[2 * kd + 1], sa);
+      FragB bw[NC / 2][2][SP], bq[NC / 2][2][SP];
+#pragma unroll
+      for (int p = 0; p < NC / 2; ++p) {
+        if (2 * p < NCC) {
+          Op::load_b_nk(bw[p], t.w, L::LDK, 16 * kd, 16 * p);
+          if constexpr (!SCAN) Op::load_b_nk(bq[p], t.q, L::LDK, 16 * kd, 16 * p);
+        }
+      }
+      // In-order issue: every accumulator's lo product, then every hi product, so that no MMA waits for the one
+      // just before it (bf16 operands; float operands take their three MMAs per accumulator in turn).
+#pragma unroll
+      for (int part = 0; part < (sizeof(Elem) == 2 ? 2 : 1); ++part) {
+#pragma unroll
+        for (int p = 0; p < NC / 2; ++p) {
+          if (2 * p < NCC) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              if constexpr (sizeof(Elem) == 2) {
+                mma_bf16(vn[2 * p + j], sa[1 - part], bw[p][j][0]);
+                if constexpr (!SCAN) mma_bf16(o[2 * p + j], sa[1 - part], bq[p][j][0]);
+              } else {
+                mma_split_a<Elem>(vn[2 * p + j], sa, bw[p][j]);
+                if constexpr (!SCAN) mma_split_a<Elem>(o[2 * p + j], sa, bq[p][j]);
+              }
+            }
+          }
+        }
+      }
+    }
+    for_each_acc<1, NC>([&](int, int nt, int e, int row, int r) {  // r: chunk row
+      float u = 0.f;
+      if (!trans && r < C) u = to_float(t.u[r * L::LDB + r0 + row]);
+      vn[nt].x[e] = r < C ? u - vn[nt].x[e] : 0.f;
+    });
+    FragA va[NC / 2][SPLIT_V ? 2 : 1];  // v_new^T as A fragments (k = chunk rows)
+#pragma unroll
+    for (int kt = 0; kt < NC / 2; ++kt) acc_to_a<SPLIT_V>(vn[2 * kt], vn[2 * kt + 1], va[kt]);
+
+    if constexpr (!SCAN) {  // o^T += v_new^T Aqk^T (Aqk is zero above the diagonal: source rows <= target rows)
+      // The lo tile's products over every source block, then the hi tile's: recurrence_kernel's order, so that both
+      // kernels give the same bits (the tile width, chosen from the batch, must not change a result).
+#pragma unroll
+      for (int part = L::SPLIT_A ? 0 : 1; part < 2; ++part) {
+        const Elem* sa_ = part == 0 ? t.alo : t.a;
+#pragma unroll
+        for (int kt = 0; kt < NC / 2; ++kt) {
+#pragma unroll
+          for (int p = kt; p < NC / 2; ++p) {
+            if (2 * p < NCC) {
+              FragB bb[2][SP];
+              Op::load_b_nk(bb, sa_, L::LDA, 16 * kt, 16 * p);
+              Op::mma(o[2 * p], va[kt], bb[0]);
+              Op::mma(o[2 * p + 1], va[kt], bb[1]);
+            }
+          }
+        }
+      }
+      const int64_t orow0 = b * a.out_sb + (t0 + ci * C) * a.out_st + hv * a.out_sh;
+      with_typed(a.out, [&](auto* op) {
+        using OutT = std::remove_pointer_t<decltype(op)>;
+        for_each_acc<1, NC>([&](int, int nt, int e, int row, int r) {
+          const int v = v0 + row;
+          if (r < nrows && v < a.V) op[orow0 + r * a.out_st + v] = from_float<OutT>(o[nt].x[e]);
+        });
+      });
+    }
+
+    // S^T = S^T diag(gamma) + v_new^T kg.
+    {
+      const int t2 = 2 * (lane & 3);
+#pragma unroll
+      for (int nd = 0; nd < ND; ++nd) {
+        const float2 gm = *reinterpret_cast<const float2*>(t.gam + 8 * nd + t2);
+        S[nd].x[0] *= gm.x;
+        S[nd].x[1] *= gm.y;
+        S[nd].x[2] *= gm.x;
+        S[nd].x[3] *= gm.y;
+      }
+    }
+#pragma unroll
+    for (int kt = 0; kt < NC / 2; ++kt) {
+      if (2 * kt < NCC) {
+#pragma unroll
+        for (int np = 0; np < ND / 2; ++np) {
+          FragB bk[2][SP];
+          Op::load_b_kn(bk, t.k, L::LDK, 16 * kt, 16 * np);
+          Op::mma(S[2 * np], va[kt], bk[0]);
+          Op::mma(S[2 * np + 1], va[kt], bk[1]);
+        }
+      }
+    }
+    if (L::STAGES == 1 && ci + 1 < c_end) {
+      __syncthreads();
+      issue(ci + 1, 0);
+    }
+  }
+  if (SCAN) {  // E (value tiles) or M (transition tiles) of this segment
+    for_each_acc<1, ND>([&](int, int nd, int e, int row, int d) {
+      const int v = v0 + row;
+      if (d < KP && v < ncols) seg_row(gseg, d)[seg_col0 + v] = S[nd].x[e];
+    });
+  }
+  if (write) {
+    with_typed(a.final_state.ptr, [&](auto* sp) {
+      using ST = std::remove_pointer_t<decltype(sp)>;
+      sp += slot * a.final_state.slot_stride + hv * a.final_state.head_stride;
+      for_each_acc<1, ND>([&](int, int nd, int e, int row, int d) {
+        const int v = v0 + row;
+        if (d < a.K && v < a.V) sp[state_at(d, v)] = from_float<ST>(S[nd].x[e]);
+      });
+    });
+  }
+}
+
 // ---- segment merge (context parallelism) -------------------------------------------------------------------
 // Per (sequence, v-head, 8 value columns), in order over the sequence's segments: S_start(s+1) = M_s S_start(s) + E_s
 // in fp32, written over E_s (segment s + 1 reads its start state from slot s). S_start(1) = E_0 is already in place

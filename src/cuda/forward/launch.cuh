@@ -68,21 +68,40 @@ void launch_prepare(const ForwardArgs& a, cudaStream_t stream) {
   check_launch("prepare_kernel");
 }
 
+// 128-column tiles (bf16 operands, K <= 128): recurrence_vrows_kernel, eight warps of independent value rows per
+// CTA; narrower tiles: recurrence_kernel, whose warps split the keys as well (16 warps per 64 columns; the value-row
+// kernel's four warps at 64 columns wait on their own instruction chains: docs/perf-notes.md).
+template <int KP, int BV>
+constexpr bool kVrows = KP <= 128 && BV == 128;
+
+template <typename Elem, int KP, int BV, bool ONE_STAGE = false>
+constexpr size_t recurrence_bytes() {
+  if constexpr (kVrows<KP, BV>) return VrowsLayout<Elem, KP, BV, ONE_STAGE>::bytes();
+  else return RecurrenceLayout<Elem, KP, BV, ONE_STAGE>::bytes();
+}
+
 template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE>
 void launch_recurrence_kind(const ForwardArgs& a, cudaStream_t stream) {
-  using L = RecurrenceLayout<Elem, KP, BV, ONE_STAGE>;
-  auto kernel = recurrence_kernel<Elem, KP, BV, SCAN, ONE_STAGE>;
-  set_smem(kernel, L::bytes());
   const int64_t tiles = (a.V + BV - 1) / BV + (SCAN ? KP / BV : 0);
   const int64_t ctas = a.num_segments * a.HV * tiles;
-  kernel<<<static_cast<unsigned>(ctas), RecurrenceWarps<BV>::THREADS, L::bytes(), stream>>>(a);
-  check_launch(SCAN ? "recurrence_kernel (segment scan)" : "recurrence_kernel");
+  const size_t bytes = recurrence_bytes<Elem, KP, BV, ONE_STAGE>();
+  if constexpr (kVrows<KP, BV>) {
+    auto kernel = recurrence_vrows_kernel<Elem, KP, BV, SCAN, ONE_STAGE>;
+    set_smem(kernel, bytes);
+    kernel<<<static_cast<unsigned>(ctas), VrowsLayout<Elem, KP, BV>::THREADS, bytes, stream>>>(a);
+  } else {
+    auto kernel = recurrence_kernel<Elem, KP, BV, SCAN, ONE_STAGE>;
+    set_smem(kernel, bytes);
+    kernel<<<static_cast<unsigned>(ctas), RecurrenceWarps<BV>::THREADS, bytes, stream>>>(a);
+  }
+  check_launch(SCAN ? "recurrence kernel (segment scan)" : "recurrence kernel");
 }
 
 // The recurrence; with context parallelism first the segment scan and the merge of the segments' start states.
 // ONE_STAGE variants exist only where the default layout has two stages.
 template <typename Elem, int KP, int BV>
-constexpr bool kHasOneStage = RecurrenceLayout<Elem, KP, BV>::STAGES == 2;
+constexpr bool kHasOneStage =
+    kVrows<KP, BV> ? VrowsLayout<Elem, KP, BV>::STAGES == 2 : RecurrenceLayout<Elem, KP, BV>::STAGES == 2;
 
 template <typename Elem, int KP, int BV, bool ONE_STAGE>
 void launch_recurrence_staged(const ForwardArgs& a, cudaStream_t stream) {
@@ -119,9 +138,9 @@ ForwardSmem forward_smem(const ForwardConfig& cfg) {
     r.prepare = cfg.chunk == 32 ? PrepareLayout<InT, Elem, 32, KP>::bytes() : PrepareLayout<InT, Elem, 64, KP>::bytes();
     with_bv<Elem, KP>(cfg.BV, [&](auto bv_tag) {
       constexpr int BV = decltype(bv_tag)::value;
-      r.recurrence = RecurrenceLayout<Elem, KP, BV>::bytes();
+      r.recurrence = recurrence_bytes<Elem, KP, BV>();
       if constexpr (kHasOneStage<Elem, KP, BV>) {
-        if (cfg.one_stage) r.recurrence = RecurrenceLayout<Elem, KP, BV, true>::bytes();
+        if (cfg.one_stage) r.recurrence = recurrence_bytes<Elem, KP, BV, true>();
       }
     });
   });
