@@ -343,6 +343,14 @@ void forward(const ForwardParams& p, const detail::Plan& plan, void* stream) {
     };
     a.vec_qk = pr.K % epc == 0 && aligned(p.in.q) && aligned(p.in.k);
     a.vec_v = pr.V % epc == 0 && aligned(p.in.v);
+    a.vec_g = pr.K % epc == 0 && aligned(p.in.g);
+    const size_t esz = dtype_size(p.in.q.dtype);
+    auto paired = [&](const TensorView& t) {
+      return reinterpret_cast<uintptr_t>(t.data) % (2 * esz) == 0 && t.strides[0] % 2 == 0 &&
+             t.strides[1] % 2 == 0 && t.strides[2] % 2 == 0;
+    };
+    a.pair_qk = paired(p.in.q) && paired(p.in.k);
+    a.pair_g = paired(p.in.g);
   }
   a.chunk = p.chunk_size;
   a.chunk_offsets = reinterpret_cast<int64_t*>(ws + fp.off_offsets);

@@ -38,6 +38,9 @@ struct ForwardArgs {
   bool l2norm = false, beta_sigmoid = false, neg_eigval = false;
   bool vec_qk = false;  // q and k rows may be copied in 16-byte pieces (aligned base, strides and K)
   bool vec_v = false;   // likewise v rows (aligned base, strides and V)
+  bool vec_g = false;   // likewise g rows (aligned base, strides and K)
+  bool pair_qk = false; // q and k elements may be read in aligned pairs (base and strides even in elements)
+  bool pair_g = false;  // likewise g
   int B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, group = 1, N = 0;
   DynPtr cu_seqlens;  // absent: fixed length
   int chunk = 64;

@@ -37,6 +37,11 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
 
 // The gate of SPEC §3 in log2 units, with the per-head constants (exp(A_log), lower_bound log2 e) hoisted out of
 // the per-element work and the sigmoid's exponential and division on the special function unit (relative error
@@ -44,16 +49,29 @@ __device__ __forceinline__ float warp_sum(float v) {
 struct GateLog2 {
   int mode = 0;     // 0 pre-gated, 1 softplus, 2 lower bound
   float a = 1.f;    // exp(A_log) (1 without A_log)
+  float ak = kLog2e; // a log2 e
   float coef = 0.f; // mode 1: -exp(A_log) log2 e; mode 2: lower_bound log2 e
   __device__ __forceinline__ GateLog2(int m, float A_log, bool has_A_log, float lower_bound) : mode(m) {
     a = has_A_log ? expf(A_log) : 1.f;
-    coef = mode == 1 ? -a * kLog2e : lower_bound * kLog2e;
+    ak = a * kLog2e;
+    coef = mode == 1 ? -ak : lower_bound * kLog2e;
   }
   // x = raw gate + dt_bias (mode 1, 2) or the natural-log gate itself (mode 0).
+  template <int MODE>
+  __device__ __forceinline__ float eval(float x) const {
+    if constexpr (MODE == 0) return x * kLog2e;
+    else if constexpr (MODE == 1) return coef * (x > 20.f ? x : log1pf(fast_exp2(x * kLog2e)));
+    else return __fdividef(coef, 1.f + fast_exp2(-ak * x));  // coef * sigmoid(a x); 0 when the exponent overflows
+  }
   __device__ __forceinline__ float operator()(float x) const {
-    if (mode == 0) return x * kLog2e;
-    if (mode == 1) return coef * (x > 20.f ? x : log1pf(fast_exp2(x * kLog2e)));
-    return __fdividef(coef, 1.f + fast_exp2(-a * kLog2e * x));  // coef * sigmoid(a x); 0 when the exponent overflows
+    return mode == 0 ? eval<0>(x) : (mode == 1 ? eval<1>(x) : eval<2>(x));
+  }
+  // f(std::integral_constant<int, mode>): the per-element loops take the mode at compile time (one branch per call).
+  template <typename F>
+  __device__ __forceinline__ void dispatch(F&& f) const {
+    if (mode == 0) f(std::integral_constant<int, 0>());
+    else if (mode == 1) f(std::integral_constant<int, 1>());
+    else f(std::integral_constant<int, 2>());
   }
 };
 
@@ -74,38 +92,50 @@ __global__ void chunk_offsets_kernel(const ForwardArgs a);
 
 // ---- prepare ---------------------------------------------------------------------------------------------
 
+// Shared memory of prepare_kernel. The elementwise pass covers a slice of SW = min(KP, 128) dimensions at once
+// (K = 256: two slices, the intra-chunk products accumulating over both). Slice phase:
+//   sQx, sKx [C][LDS]       A operands of P and L: q and k of each 16-row block decayed to the block's anchor (its
+//                           row 8; the block's first row where the exact path takes its diagonal block)
+//   sKd      [C][LDS]       B operand of the diagonal blocks: k decayed from the anchor (k e^-s)
+//   sKb      [KB_ROWS][LDS] B operands of the off-diagonal blocks: for each block a, the rows of every earlier block
+//                           decayed to a's anchor, rows [0, 16 a) at kb_offset(a)
+// STAGED (bf16 inputs with bf16 operands, float32 with float): the slice's raw q, k and g are first copied into sQx,
+// sKd and sKx in the tiles' own layout, and each thread reads its elements there before it overwrites them with its
+// operands (float16 inputs, whose raw rows are narrower than the float tiles, read global memory instead).
+// Phase B reuses the bytes: L / Tm in fp32 [C][LDL] and the inverse's scratch, Tm diag(beta) [C][LDC], then the w / u
+// steps' B operands, copied while the epilogue and the inverse run: k e^G [KP / 64][C][LD64] and two 64-column v
+// slices [2][C][LD64].
 template <typename InT, typename Elem, int C, int KP>
 struct PrepareLayout {
   static constexpr int NSUB = C / 16;
+  static constexpr int SW = KP < 128 ? KP : 128;  // dimensions per slice
+  static constexpr int NKS = KP / SW;             // slices
   static constexpr int PAD = smem_pad<Elem>();
+  static constexpr int LDS = SW + PAD;
   static constexpr int LD64 = 64 + PAD;
   static constexpr int LDC = C + PAD;
   static constexpr int LDL = C + 8;  // even (float2 fragment loads) and 8 mod 32 banks
   static constexpr int LDY = 12;     // the inverse's per-warp [32][LDY] intermediate: conflict-free B fragments
-  static constexpr int LDG = 65;
-  static constexpr int KB_ROWS = (8 * NSUB * (NSUB - 1) > C) ? 8 * NSUB * (NSUB - 1) : C;
-  static constexpr int TILE_ELEMS = (2 * C + KB_ROWS) * LD64;  // phase A tiles; phase B reuses them
-  static_assert(C * LDC + 2 * C * LD64 <= TILE_ELEMS, "phase B tiles (Tm diag(beta), a v slice, a k e^G slice) must "
-                                                      "fit the phase A region");
+  static constexpr int KB_ROWS = 8 * NSUB * (NSUB - 1);
+  static constexpr bool STAGED = sizeof(InT) == sizeof(Elem);
   static constexpr size_t r16(size_t b) { return (b + 15) & ~size_t(15); }
-  // Slice phase: gates of one 64-dim slice and the exact path's scratch; then the inverse reuses the space.
-  static constexpr size_t slice_bytes() { return r16(4 * C * LDG) + r16(4 * 4 * 2 * 16 * 17); }
-  static constexpr size_t inverse_bytes() { return r16(4 * C * LDL) + r16(4 * 4 * 32 * LDY); }
-  static constexpr size_t union_bytes() { return slice_bytes() > inverse_bytes() ? slice_bytes() : inverse_bytes(); }
-  // Raw q and k are staged one 64-column slice at a time ([C][64] each).
-  static constexpr size_t raw_bytes() { return r16(sizeof(InT) * C * 64); }
-  static constexpr size_t tile_bytes() { return r16(sizeof(Elem) * TILE_ELEMS); }
-  // About 74 KB for bf16 inputs with C = 64, K <= 128: three CTAs per SM.
-  static constexpr size_t bytes() {
-    return 2 * raw_bytes() + tile_bytes() + union_bytes() + r16(4 * NSUB * 64) + 3 * r16(4 * C) + r16(4 * 2 * NSUB);
-  }
+  static constexpr size_t slice_bytes() { return r16(sizeof(Elem) * (3 * C + KB_ROWS) * LDS); }
+  static constexpr size_t tb_offset() { return r16(4 * C * LDL) + r16(4 * 4 * 32 * LDY); }
+  static constexpr size_t b64_bytes() { return r16(sizeof(Elem) * C * LD64); }  // a [C][LD64] operand slice
+  static constexpr size_t ks_offset() { return tb_offset() + r16(sizeof(Elem) * C * LDC); }
+  static constexpr size_t v_offset() { return ks_offset() + (KP / 64) * b64_bytes(); }
+  static constexpr size_t phase_b_bytes() { return v_offset() + 2 * b64_bytes(); }
+  static constexpr size_t union_bytes() { return slice_bytes() > phase_b_bytes() ? slice_bytes() : phase_b_bytes(); }
+  // The exact path's per-warp [16][17] fp32 scratch sits in the (then unused) diagonal B rows of its block.
+  static_assert(sizeof(Elem) * 16 * LDS >= 2 * 16 * 17 * 4, "exact-path scratch fits a block's sKd rows");
+  // About 81 KB for bf16 inputs with C = 64, K <= 128: two CTAs per SM.
+  static constexpr size_t bytes() { return union_bytes() + 2 * r16(4 * NSUB * SW) + 3 * r16(4 * C) + r16(4 * 2 * NSUB); }
 };
 
 constexpr int kPrepareThreads = 256;
 
 // First row of row block a's off-diagonal B operand in sKb (row block a needs rows [0, 16a)).
 __host__ __device__ constexpr int kb_offset(int a) { return 8 * a * (a - 1); }
-
 // Copies rows [0, nrows) x cols [0, cols) of a token tensor into columns [0, WIDTH) of a smem tile [C][ld] (InT),
 // zero elsewhere. vec: 16-byte copies are legal (aligned base, strides and cols). Each thread keeps one 16-byte
 // column piece and walks the rows by pointer increments (the 64-bit offset arithmetic per piece was ~10
@@ -131,37 +161,28 @@ __device__ __forceinline__ void stage_rows(InT* dst, int ld, const InT* src, con
   }
 }
 
-// A diagonal block's factorisation around its anchor row m (log2 units): offsets s_i = G_i - G_m, and the largest
-// exponent it needs. FULL: a whole 16-row block, whose anchor is row 8 at compile time (the row predicates fold).
-template <bool FULL>
-__device__ __forceinline__ void anchor_offsets(const float (&gv)[16], int m_rt, float (&sg)[16]) {
-  const int m = FULL ? 8 : m_rt;
-  float up = 0.f, dn = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    if (i > m) up += gv[i];
-    sg[i] = i > m ? up : 0.f;
+// Elements d and d + 1 of a row (p points at element d) as floats: one paired load where `pair` (an aligned pair,
+// both elements present), else element loads with absent elements (ok0 / ok1 false: past K) reading zero.
+template <typename InT>
+__device__ __forceinline__ float2 load_pair(const InT* p, bool ok0, bool ok1, bool pair) {
+  if (pair) {
+    if constexpr (std::is_same<InT, float>::value) {
+      return *reinterpret_cast<const float2*>(p);
+    } else if constexpr (std::is_same<InT, __nv_bfloat16>::value) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+      return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    } else {
+      return __half22float2(*reinterpret_cast<const __half2*>(p));
+    }
   }
-#pragma unroll
-  for (int i = 15; i >= 0; --i) {
-    if (i < m) { dn -= gv[i + 1]; sg[i] = dn; }
-  }
-}
-template <bool FULL>
-__device__ __forceinline__ float anchor_max(const float (&gv)[16], int m_rt) {
-  const int m = FULL ? 8 : m_rt;
-  float up = 0.f, dn = 0.f, mx = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    if (i > m) { up += gv[i]; mx = fmaxf(mx, -up); }
-  }
-#pragma unroll
-  for (int i = 15; i >= 0; --i) {
-    if (i < m) { dn -= gv[i + 1]; mx = fmaxf(mx, dn); }
-  }
-  return mx;
+  return make_float2(ok0 ? to_float(p[0]) : 0.f, ok1 ? to_float(p[1]) : 0.f);
 }
 
+__device__ __forceinline__ float2 operator+(float2 x, float2 y) { return make_float2(x.x + y.x, x.y + y.y); }
+__device__ __forceinline__ float2 operator-(float2 x, float2 y) { return make_float2(x.x - y.x, x.y - y.y); }
+__device__ __forceinline__ float2 operator*(float2 x, float2 y) { return make_float2(x.x * y.x, x.y * y.y); }
+__device__ __forceinline__ float2 operator*(float2 x, float s) { return make_float2(x.x * s, x.y * s); }
+__device__ __forceinline__ float2 exp2_2(float2 x) { return make_float2(fast_exp2(x.x), fast_exp2(x.y)); }
 // Sum of squares of the elements in 16 bytes of InT.
 template <typename InT>
 __device__ __forceinline__ float sum_squares16(const uint4 v) {
@@ -225,15 +246,14 @@ __device__ __forceinline__ void inverse_level(float* sT, float* sY) {
   }
   __syncthreads();
 }
-
-
-// bf16 operands: three CTAs per SM (<= 80 registers, 74 KB of shared memory), as the kernel is latency-bound (0.49
-// instructions per scheduler and cycle at two). Float operands need twice the tiles: one or two CTAs, no register cap.
+// bf16 operands: two CTAs per SM (81 KB of shared memory, up to 128 registers). Float operands need twice the tiles:
+// one CTA.
 template <typename InT, typename Elem, int C, int KP>
-__global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) prepare_kernel(const ForwardArgs a) {
+__global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) prepare_kernel(const ForwardArgs a) {
   using L = PrepareLayout<InT, Elem, C, KP>;
   using Op = Operand<Elem>;
-  constexpr int NSUB = L::NSUB, NKS = KP / 64, NOFF = NSUB > 1 ? 2 * (NSUB - 1) : 2, NTH = kPrepareThreads;
+  constexpr int NSUB = L::NSUB, SW = L::SW, NKS = L::NKS, LDS = L::LDS, PAIRS = SW / 2;
+  constexpr int NOFF = NSUB > 1 ? 2 * (NSUB - 1) : 2, NTH = kPrepareThreads;
   const int64_t slot = blockIdx.x;
   const int hv = blockIdx.y;
   if (slot >= a.chunk_offsets[a.N]) return;
@@ -264,47 +284,47 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
   float* ws_gam = a.ws_gam + ws_tile * KP;
 
   extern __shared__ __align__(16) char smem_raw[];
-  SmemCursor cur{smem_raw};
-  InT* sQraw = cur.take<InT>(C * 64);  // [C][64] raw q of the current slice (zero past the rows and K)
-  InT* sKraw = cur.take<InT>(C * 64);
-  Elem* tiles = cur.take<Elem>(L::TILE_ELEMS);
-  Elem* sQa = tiles;                      // [C][LD64]  A operand: q (off-diagonal), then q*e^sigma (diagonal)
-  Elem* sKa = tiles + C * L::LD64;        // [C][LD64]  A operand: k, likewise
-  Elem* sKb = tiles + 2 * C * L::LD64;    // [KB_ROWS][LD64] B operands (off-diagonal), then k*e^-sigma
-  Elem* sTb = tiles;                      // phase B: [C][LDC] Tm * diag(beta)
-  Elem* sV = tiles + C * L::LDC;          // phase B: [C][LD64] a 64-column slice of v
-  Elem* sKs = sV + C * L::LD64;           // phase B: [C][LD64] a 64-column slice of k * exp2(G), from ws_w
-  char* uni = cur.p;
-  cur.p += L::union_bytes();
-  float* sGate = reinterpret_cast<float*>(uni);                              // slice phase [C][LDG]
-  float* sEx = reinterpret_cast<float*>(uni + L::r16(4 * C * L::LDG));      // slice phase, exact path
-  float* sLT = reinterpret_cast<float*>(uni);                                // inverse phase [C][LDL]
-  float* sY = reinterpret_cast<float*>(uni + L::r16(4 * C * L::LDL));  // inverse phase [4 warps][32][LDY]
-  float* sTot = cur.take<float>(NSUB * 64);    // [NSUB][64] sub-chunk totals of the current slice
+  char* uni = smem_raw;
+  Elem* sQx = reinterpret_cast<Elem*>(uni);  // slice phase (see PrepareLayout)
+  Elem* sKx = sQx + C * LDS;
+  Elem* sKd = sKx + C * LDS;
+  Elem* sKb = sKd + C * LDS;
+  float* sLT = reinterpret_cast<float*>(uni);                          // phase B: [C][LDL] L, then Tm
+  float* sY = reinterpret_cast<float*>(uni + L::r16(4 * C * L::LDL));  // phase B: the inverse's [4 warps][32][LDY]
+  Elem* sTb = reinterpret_cast<Elem*>(uni + L::tb_offset());  // phase B: [C][LDC] Tm diag(beta)
+  Elem* sKs = reinterpret_cast<Elem*>(uni + L::ks_offset());  // phase B: [KP / 64][C][LD64] k e^G, from ws_w
+  Elem* sVb = reinterpret_cast<Elem*>(uni + L::v_offset());   // phase B: [2][C][LD64] 64-column slices of v
+  SmemCursor cur{smem_raw + L::union_bytes()};
+  float* sTot = cur.take<float>(NSUB * SW);   // [NSUB][SW] block totals of the gates (log2) in the current slice
+  float* sLam8 = cur.take<float>(NSUB * SW);  // [NSUB][SW] gates of each block's rows 0..8 (up to its anchor)
   float* sRq = cur.take<float>(C);
   float* sRk = cur.take<float>(C);
   float* sBeta = cur.take<float>(C);
-  int* sMax = cur.take<int>(2 * NSUB);
-
-  // Stage 0: beta, and the reciprocal L2 norms of the chunk's q and k rows read straight into registers (TPR threads
-  // a row, 16-byte loads where aligned); the slices staged below read the rows again, from L2.
-  for (int r = tid; r < C; r += NTH) {
-    float bt = 0.f;
-    if (r < nrows) {
-      bt = math::beta_value(a.beta.load(b * a.beta_sb + (row0 + r) * a.beta_st + hv * a.beta_sh), a.beta_sigmoid,
-                            a.neg_eigval);
-    }
-    sBeta[r] = bt;
-  }
-  if (tid < 2 * NSUB) sMax[tid] = 0;
-  {
+  int* sMax = cur.take<int>(2 * NSUB);  // per slice parity: each block's largest anchor exponent (float bits)
+  // The slice's raw q, k and g, staged in the tiles' layout (STAGED): slice 0's copies are issued first, so that they
+  // are in flight with everything else the CTA loads.
+  auto stage_slice = [&](int d0) {
+    stage_rows<InT, C, SW>(reinterpret_cast<InT*>(sQx), LDS, qp + d0, a.q, b, row0, h, nrows, a.K - d0, a.vec_qk);
+    stage_rows<InT, C, SW>(reinterpret_cast<InT*>(sKd), LDS, kp + d0, a.k, b, row0, h, nrows, a.K - d0, a.vec_qk);
+    stage_rows<InT, C, SW>(reinterpret_cast<InT*>(sKx), LDS, gp + d0, a.g, b, row0, hv, nrows, a.K - d0, a.vec_g);
+    cp_async_commit();
+  };
+  if constexpr (L::STAGED) stage_slice(0);
+  // The reciprocal L2 norms of the chunk's q and k rows (TPR threads a row, 16-byte pieces): from the staged tiles
+  // where one slice holds the whole rows (K <= 128), else from global memory straight into registers.
+  constexpr bool NORMS_STAGED = L::STAGED && NKS == 1;
+  auto norms = [&]() {
     constexpr int EPC = 16 / sizeof(InT), TPR = NTH / (2 * C), PIECES = KP / (EPC * TPR);
     static_assert(NTH % (2 * C) == 0 && KP % (EPC * TPR) == 0, "whole pieces per thread");
     const int task = tid / TPR, part = tid % TPR, r = task >> 1;
     const bool is_k = task & 1;
-    const TokenTensor& tt = is_k ? a.k : a.q;
     float ss = 0.f;
-    if (r < nrows) {
+    if constexpr (NORMS_STAGED) {  // zero past the rows and K
+      const InT* row = reinterpret_cast<const InT*>(is_k ? sKd : sQx) + r * LDS;
+#pragma unroll
+      for (int j = 0; j < PIECES; ++j) ss += sum_squares16<InT>(*reinterpret_cast<const uint4*>(row + (j * TPR + part) * EPC));
+    } else if (r < nrows) {
+      const TokenTensor& tt = is_k ? a.k : a.q;
       const InT* row = (is_k ? kp : qp) + tt.offset(b, row0 + r, h);
 #pragma unroll 8
       for (int j = 0; j < PIECES; ++j) {
@@ -326,8 +346,20 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
       const float rs = r < nrows ? (a.l2norm ? rsqrtf(ss + static_cast<float>(math::kL2NormEps)) : 1.f) : 0.f;
       (is_k ? sRk : sRq)[r] = rs;
     }
+  };
+  // Stage 0: beta, and the norms where they come from global memory.
+  for (int r = tid; r < C; r += NTH) {
+    float bt = 0.f;
+    if (r < nrows) {
+      bt = math::beta_value(a.beta.load(b * a.beta_sb + (row0 + r) * a.beta_st + hv * a.beta_sh), a.beta_sigmoid,
+                            a.neg_eigval);
+    }
+    sBeta[r] = bt;
   }
+  if (tid < 2 * NSUB) sMax[tid] = 0;
+  if constexpr (!NORMS_STAGED) norms();
   const GateLog2 gate(a.gate_mode, a.A_log.present() ? a.A_log.load(hv) : 0.f, a.A_log.present(), a.lower_bound);
+  if constexpr (L::STAGED) cp_async_wait<0>();  // slice 0 (each thread's own copies; the barrier publishes them)
   __syncthreads();
 
   // Warp roles in the matrix stages: row block ab; role 0 computes P (-> Aqk), role 1 computes L.
@@ -338,161 +370,207 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
   dacc[0][1].zero();
   const int ab = warp & 3, role = warp >> 2;
   const bool has_block = ab < NSUB;
-  // Normalised q/k element (r, d) of the current slice (d in [d0, d0 + 64)), from its staged raw tile.
-  int slice0 = 0;
-  auto qn = [&](int r, int d) { return to_float(sQraw[r * 64 + d - slice0]) * sRq[r]; };
-  auto kn = [&](int r, int d) { return to_float(sKraw[r * 64 + d - slice0]) * sRk[r]; };
+  // Elementwise roles: thread (esb, pair) owns dimensions dl and dl + 1 of each slice in the 16 rows of block esb, so
+  // its gates and their sums along the rows stay in registers, and every value it writes is a pair (one 32-bit
+  // shared-memory store, a warp's workspace store covering 128 contiguous bytes).
+  const int esb = tid / PAIRS, dl = 2 * (tid % PAIRS);
+  const bool ew = esb < NSUB;
+  const int er0 = 16 * esb;                                 // the block's first row
+  const int valid = ew ? max(0, min(16, nrows - er0)) : 0;  // its rows in the sequence
+  const InT* qrow = qp + a.q.offset(b, row0 + er0, h) + dl;
+  const InT* krow = kp + a.k.offset(b, row0 + er0, h) + dl;
+  const InT* grow = gp + a.g.offset(b, row0 + er0, hv) + dl;
 
   for (int ks = 0; ks < NKS; ++ks) {
-    const int d0 = ks * 64;
-    slice0 = d0;
+    const int d0 = ks * SW, d = d0 + dl;
+    const bool ok0 = d < a.K, ok1 = d + 1 < a.K;
     int* maxs = sMax + (ks & 1) * NSUB;
-    // The slice's raw q, k: in flight during the gate stage (the previous slice's readers are past a barrier).
-    stage_rows<InT, C, 64>(sQraw, 64, qp + d0, a.q, b, row0, h, nrows, a.K - d0, a.vec_qk);
-    stage_rows<InT, C, 64>(sKraw, 64, kp + d0, a.k, b, row0, h, nrows, a.K - d0, a.vec_qk);
-    cp_async_commit();
-    // (i) Gates of the slice (log2 units; zero past the sequence and past K), sub-chunk totals, and the
-    //     largest exponent of each diagonal block's factorisation around its anchor row.
-    for (int pr = tid; pr < 64 * NSUB; pr += NTH) {
-      const int dl = pr & 63, sb = pr >> 6, d = d0 + dl;
-      float gv[16];
-      const int valid_rows = d < a.K ? min(16, nrows - sb * 16) : 0;
-      // All loads first (one memory latency for the 16 rows), addressed by pointer increments; full blocks unpredicated.
-      const InT* grow = gp + a.g.offset(b, row0 + sb * 16, hv) + d;
-      const int64_t gst = a.g.st;
-      if (valid_rows == 16) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i, grow += gst) gv[i] = to_float(*grow);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i, grow += gst) gv[i] = i < valid_rows ? to_float(*grow) : 0.f;
+    if constexpr (L::STAGED) {
+      if (ks > 0) {  // the previous slice's readers are past its last barrier
+        stage_slice(d0);
+        cp_async_wait<0>();
+        __syncthreads();
       }
-      const float bias = (a.gate_mode != 0 && a.dt_bias.present() && d < a.K) ? a.dt_bias.load(int64_t(hv) * a.K + d) : 0.f;
-      float tot = 0.f;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int r = sb * 16 + i;
-        const float x = i < valid_rows ? gate(gv[i] + bias) : 0.f;
-        gv[i] = x;
-        sGate[r * L::LDG + dl] = x;
-        tot += x;
-      }
-      sTot[sb * 64 + dl] = tot;
-      const int valid = max(0, min(16, nrows - sb * 16));
-      const int m = max(0, min(8, valid - 1));
-      const float mx = valid == 16 ? anchor_max<true>(gv, m) : anchor_max<false>(gv, m);
-      atomicMax(&maxs[sb], __float_as_int(mx));
     }
-    cp_async_wait<0>();  // the slice's raw q, k
+    if constexpr (NORMS_STAGED) norms();  // read in (ii), past the next barrier
+    // Raw elements d, d + 1 of row i of the thread's block: staged (zero past the rows and K), or from global memory.
+    const InT* sraw_q = reinterpret_cast<const InT*>(sQx) + er0 * LDS + dl;
+    const InT* sraw_k = reinterpret_cast<const InT*>(sKd) + er0 * LDS + dl;
+    const InT* sraw_g = reinterpret_cast<const InT*>(sKx) + er0 * LDS + dl;
+    const bool pq = a.pair_qk && ok1, pg = a.pair_g && ok1;
+    auto raw = [&](const InT* staged, const InT* global, int64_t st, bool pair, int i) {
+      if constexpr (L::STAGED) return load_pair<InT>(staged + i * LDS, true, true, true);
+      else return i < valid ? load_pair<InT>(global + d0 + i * st, ok0, ok1, pair) : make_float2(0.f, 0.f);
+    };
+    // (i) The thread's gates (log2 units; zero past the sequence and past K), its block's total, the block's sum up
+    //     to its anchor (rows 0..8) and after it (rows 9..15), and the block's largest anchor exponent |G_i - G_8|.
+    float2 x[16], tot = make_float2(0.f, 0.f), lam8 = tot, s9 = tot;
+    if (ew) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) x[i] = raw(sraw_g, grow, a.g.st, pg, i);  // all loads first
+      float2 bias = make_float2(0.f, 0.f);
+      if (a.gate_mode != 0 && a.dt_bias.present()) {
+        const int64_t bo = int64_t(hv) * a.K + d;
+        bias = make_float2(ok0 ? a.dt_bias.load(bo) : 0.f, ok1 ? a.dt_bias.load(bo + 1) : 0.f);
+      }
+      gate.dispatch([&](auto mode) {
+        constexpr int M = decltype(mode)::value;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const bool row = i < valid;
+          x[i] = make_float2(row && ok0 ? gate.template eval<M>(x[i].x + bias.x) : 0.f,
+                             row && ok1 ? gate.template eval<M>(x[i].y + bias.y) : 0.f);
+        }
+      });
+      float2 lam = x[0], lmin = lam, lmax = lam;
+#pragma unroll
+      for (int i = 1; i < 16; ++i) {
+        lam = lam + x[i];
+        if (i == 8) lam8 = lam;
+        if (i >= 9) s9 = s9 + x[i];
+        lmin = make_float2(fminf(lmin.x, lam.x), fminf(lmin.y, lam.y));
+        lmax = make_float2(fmaxf(lmax.x, lam.x), fmaxf(lmax.y, lam.y));
+      }
+      tot = lam;
+      const float ms = warp_max(fmaxf(fmaxf(lmax.x - lam8.x, lam8.x - lmin.x), fmaxf(lmax.y - lam8.y, lam8.y - lmin.y)));
+      if (lane == 0) atomicMax(&maxs[esb], __float_as_int(ms));
+      *reinterpret_cast<float2*>(sTot + esb * SW + dl) = tot;
+      *reinterpret_cast<float2*>(sLam8 + esb * SW + dl) = lam8;
+    }
     __syncthreads();
-    // (ii) Off-diagonal operands (anchored at each row block's first row) and the chunk-level outputs. Factors
-    //      over disjoint token ranges multiply (all are <= 1), so each element needs two exponentials.
-    if (tid < NSUB) sMax[((ks + 1) & 1) * NSUB + tid] = 0;  // the other slice's maxima were read a sync ago
-    for (int pr = tid; pr < 64 * NSUB; pr += NTH) {
-      const int dl = pr & 63, sb = pr >> 6, d = d0 + dl;
-      float before = 0.f, after = 0.f;
-      float emid[NSUB];  // exp2 of the totals strictly between sb and row block rb
+    if (tid < NSUB) sMax[((ks + 1) & 1) * NSUB + tid] = 0;  // the other parity's maxima were last read a barrier ago
+
+    // (ii) Operands and the chunk-level outputs. A block is "fast" when every anchor exponent is within
+    //      kMaxAnchorLog2 (always, for bounded gates): its A operands are q e^(G_i - G_8), k e^(G_i - G_8), its
+    //      diagonal B operand k e^(G_8 - G_j). Otherwise (exact path) its A operands take the block's first row as
+    //      anchor and the diagonal block runs on CUDA cores below. The off-diagonal B operands of a later block a are
+    //      k_j e^(G_anchor(a) - G_j): this block's suffix sums, the totals strictly between, and a's rows up to its
+    //      anchor. Every factor is a sum of gates over exactly the rows it spans (no difference of cumulative sums
+    //      beyond the anchored range, where both terms stay within kMaxAnchorLog2).
+    if (ew) {
+      bool fast_blk[NSUB];
+#pragma unroll
+      for (int cb = 0; cb < NSUB; ++cb) fast_blk[cb] = __int_as_float(maxs[cb]) <= kMaxAnchorLog2;
+      float2 before = make_float2(0.f, 0.f), after = before, fb[NSUB];
       {
-        float mid = 0.f;
+        float2 mid = before;
 #pragma unroll
         for (int cb = 0; cb < NSUB; ++cb) {
-          const float t = sTot[cb * 64 + dl];
-          if (cb < sb) before += t;
-          if (cb > sb) {
-            emid[cb] = fast_exp2(mid);
-            mid += t;
-            after += t;
-          } else {
-            emid[cb] = 0.f;
+          const float2 t = *reinterpret_cast<const float2*>(sTot + cb * SW + dl);
+          fb[cb] = make_float2(0.f, 0.f);
+          if (cb < esb) before = before + t;
+          if (cb > esb) {
+            const float2 l8 =
+                fast_blk[cb] ? *reinterpret_cast<const float2*>(sLam8 + cb * SW + dl) : make_float2(0.f, 0.f);
+            fb[cb] = exp2_2(mid + l8);
+            mid = mid + t;
+            after = after + t;
           }
         }
       }
-      const float eb = fast_exp2(before), ea = fast_exp2(after);
-      float gv[16], rho[16];
+      const bool fast = fast_blk[esb];
+      const float2 eA = exp2_2(fast ? before + lam8 : before);  // chunk start -> the A operands' anchor
+      const float2 eAs = eA * a.scale, ea = exp2_2(after);
+      if (esb == 0) *reinterpret_cast<float2*>(ws_gam + d) = exp2_2(tot + after);
+      Elem* tq = sQx + er0 * LDS + dl;
+      Elem* tk = sKx + er0 * LDS + dl;
+      Elem* gq = ws_qg + er0 * KP + d;
+      Elem* gw = ws_w + er0 * KP + d;  // k e^G: read back slice by slice for w, then overwritten
+      Elem* gk = ws_kg + er0 * KP + d;
+      auto store_kb = [&](int i, float2 kx) {  // this row's off-diagonal B operands for every later block
 #pragma unroll
-      for (int i = 0; i < 16; ++i) gv[i] = sGate[(sb * 16 + i) * L::LDG + dl];
-      float acc = 0.f;
-#pragma unroll
-      for (int i = 15; i >= 0; --i) { rho[i] = acc; acc += gv[i]; }
-      float lam = 0.f;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int r = sb * 16 + i;
-        lam += gv[i];
-        const float qv = qn(r, d), kv = kn(r, d);
-        const float eh = fast_exp2(lam), er = fast_exp2(rho[i]);
-        sQa[r * L::LD64 + dl] = to_elem<Elem>(qv * eh);
-        sKa[r * L::LD64 + dl] = to_elem<Elem>(kv * eh);
-#pragma unroll
-        for (int rb = 1; rb < NSUB; ++rb) {
-          if (rb > sb) sKb[(kb_offset(rb) + r) * L::LD64 + dl] = to_elem<Elem>(kv * er * emid[rb]);
+        for (int cb = 1; cb < NSUB; ++cb) {
+          if (cb > esb) {
+            const float2 v = kx * fb[cb];
+            Op::store2(sKb + (kb_offset(cb) + er0 + i) * LDS + dl, v.x, v.y);
+          }
         }
-        Op::store(ws_qg + r * KP + d, a.scale * qv * eh * eb);
-        Op::store(ws_kg + r * KP + d, kv * er * ea);
-        Op::store(ws_w + r * KP + d, kv * eh * eb);  // k e^G: read back slice by slice for w, then overwritten
+      };
+      if (fast) {
+        Elem* td = sKd + er0 * LDS + dl;
+        float2 rho = make_float2(0.f, 0.f);  // gates of the block's rows after row i
+#pragma unroll
+        for (int i = 15; i >= 0; --i) {
+          const float2 qv = raw(sraw_q, qrow, a.q.st, pq, i) * sRq[er0 + i];
+          const float2 kv = raw(sraw_k, krow, a.k.st, pq, i) * sRk[er0 + i];
+          const float2 s = s9 - rho;  // G_i - G_8, both sums within the anchored range
+          const float2 es = exp2_2(s), ems = exp2_2(make_float2(-s.x, -s.y)), kx = kv * exp2_2(rho);
+          const float2 aq = qv * es, ak = kv * es, bd = kv * ems;
+          Op::store2(tq + i * LDS, aq.x, aq.y);
+          Op::store2(tk + i * LDS, ak.x, ak.y);
+          Op::store2(td + i * LDS, bd.x, bd.y);
+          store_kb(i, kx);
+          const float2 oq = aq * eAs, ow = ak * eA, ok = kx * ea;
+          Op::store2(gq + i * KP, oq.x, oq.y);
+          Op::store2(gw + i * KP, ow.x, ow.y);
+          Op::store2(gk + i * KP, ok.x, ok.y);
+          rho = rho + x[i];
+        }
+      } else {
+        float2 lam = make_float2(0.f, 0.f);  // gates of rows 0..i
+#pragma unroll 1
+        for (int i = 0; i < 16; ++i) {
+          lam = lam + x[i];
+          const float2 qv = raw(sraw_q, qrow, a.q.st, pq, i) * sRq[er0 + i];
+          const float2 kv = raw(sraw_k, krow, a.k.st, pq, i) * sRk[er0 + i];
+          const float2 e = exp2_2(lam), aq = qv * e, ak = kv * e;
+          Op::store2(tq + i * LDS, aq.x, aq.y);
+          Op::store2(tk + i * LDS, ak.x, ak.y);
+          const float2 oq = aq * eAs, ow = ak * eA;
+          Op::store2(gq + i * KP, oq.x, oq.y);
+          Op::store2(gw + i * KP, ow.x, ow.y);
+        }
+        float2 rho = make_float2(0.f, 0.f);
+#pragma unroll 1
+        for (int i = 15; i >= 0; --i) {
+          const float2 kv = raw(sraw_k, krow, a.k.st, pq, i) * sRk[er0 + i];
+          const float2 kx = kv * exp2_2(rho), ok = kx * ea;
+          store_kb(i, kx);
+          Op::store2(gk + i * KP, ok.x, ok.y);
+          rho = rho + x[i];
+        }
       }
-      if (sb == 0) ws_gam[d] = fast_exp2(sTot[dl] + after);
     }
     __syncthreads();
+
+    // (iii) P and L: off-diagonal blocks against the earlier blocks' B operands, then the diagonal block.
     if (has_block && ab > 0) {
-      warp_gemm<Elem, 1, NOFF, false, false>(acc, role == 0 ? sQa : sKa, L::LD64, 16 * ab,
-                                             sKb + kb_offset(ab) * L::LD64, L::LD64, 0, 0, 4, ab);
+      warp_gemm<Elem, 1, NOFF, false, false>(acc, role == 0 ? sQx : sKx, LDS, 16 * ab, sKb + kb_offset(ab) * LDS, LDS,
+                                             0, 0, SW / 16, ab);
     }
-    __syncthreads();
-    // (iii) Diagonal blocks factorised around the anchor row m: q e^s, k e^s, k e^-s with s = G_i - G_m.
-    for (int pr = tid; pr < 64 * NSUB; pr += NTH) {
-      const int dl = pr & 63, sb = pr >> 6, d = d0 + dl;
-      if (__int_as_float(maxs[sb]) > kMaxAnchorLog2) continue;
-      const int valid = max(0, min(16, nrows - sb * 16));
-      const int m = max(0, min(8, valid - 1));
-      float gv[16], sg[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) gv[i] = sGate[(sb * 16 + i) * L::LDG + dl];
-      if (valid == 16) anchor_offsets<true>(gv, m, sg);
-      else anchor_offsets<false>(gv, m, sg);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int r = sb * 16 + i;
-        const float qv = qn(r, d), kv = kn(r, d);
-        const float e = fast_exp2(sg[i]), ei = fast_exp2(-sg[i]);
-        sQa[r * L::LD64 + dl] = to_elem<Elem>(qv * e);
-        sKa[r * L::LD64 + dl] = to_elem<Elem>(kv * e);
-        sKb[r * L::LD64 + dl] = to_elem<Elem>(kv * ei);
-      }
-    }
-    __syncthreads();
     if (has_block) {
       if (__int_as_float(maxs[ab]) <= kMaxAnchorLog2) {
-        warp_gemm<Elem, 1, 2, false, false>(dacc, role == 0 ? sQa : sKa, L::LD64, 16 * ab, sKb + 16 * ab * L::LD64,
-                                            L::LD64, 0, 0, 4);
+        warp_gemm<Elem, 1, 2, false, false>(dacc, role == 0 ? sQx : sKx, LDS, 16 * ab, sKd + 16 * ab * LDS, LDS, 0, 0,
+                                            SW / 16);
       } else {
-        // Exact path: decay(i, j) = prod_{s=j+1..i} exp2(g_s) per dimension; lanes hold two dimensions each.
-        float* ex = sEx + warp * 16 * 17;
-        float kk[2][16], al[2][16];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int dl = lane + 32 * u;
-#pragma unroll
+        // Exact path: decay(i, j) = prod_{t=j+1..i} exp2(g_t) per dimension, on CUDA cores, lanes taking dimensions
+        // lane + 32 u of the slice. Rare (hard resets, unbounded gates), so it reads q, k and the raw gates again and
+        // keeps its [16][17] sums in its block's diagonal B rows, which the fast path alone writes.
+        float* ex = reinterpret_cast<float*>(sKd + 16 * ab * LDS) + role * 16 * 17;
+        for (int e = lane; e < 16 * 17; e += 32) ex[e] = 0.f;
+        __syncwarp();
+        for (int u = 0; u < SW / 32; ++u) {
+          const int dd = d0 + lane + 32 * u;
+          const bool okd = dd < a.K;
+          const float bias =
+              (a.gate_mode != 0 && a.dt_bias.present() && okd) ? a.dt_bias.load(int64_t(hv) * a.K + dd) : 0.f;
+          float kk[16], al[16];
           for (int j = 0; j < 16; ++j) {
             const int r = 16 * ab + j;
-            kk[u][j] = kn(r, d0 + dl);
-            al[u][j] = fast_exp2(sGate[r * L::LDG + dl]);
+            const bool in = okd && r < nrows;
+            kk[j] = in ? to_float(kp[a.k.offset(b, row0 + r, h) + dd]) * sRk[r] : 0.f;
+            al[j] = in ? fast_exp2(gate(to_float(gp[a.g.offset(b, row0 + r, hv) + dd]) + bias)) : 1.f;
           }
-        }
-        for (int i = 0; i < 16; ++i) {
-          const int r = 16 * ab + i;
-          float xi[2], dec[2] = {1.f, 1.f};  // q_i (role 0) or k_i (role 1)
-#pragma unroll
-          for (int u = 0; u < 2; ++u) xi[u] = role == 0 ? qn(r, d0 + lane + 32 * u) : kk[u][i];
-          for (int j = i; j >= 0; --j) {
-            float pp = 0.f;
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-              if (j < i) dec[u] *= al[u][j + 1];
-              pp += xi[u] * kk[u][j] * dec[u];
+          for (int i = 0; i < 16; ++i) {
+            const int r = 16 * ab + i;
+            float xi = kk[i];  // q_i (role 0) or k_i (role 1)
+            if (role == 0) xi = okd && r < nrows ? to_float(qp[a.q.offset(b, row0 + r, h) + dd]) * sRq[r] : 0.f;
+            float dec = 1.f;
+            for (int j = i; j >= 0; --j) {
+              if (j < i) dec *= al[j + 1];
+              const float pp = warp_sum(xi * kk[j] * dec);
+              if (lane == 0) ex[i * 17 + j] += pp;
             }
-            pp = warp_sum(pp);
-            if (lane == 0) ex[i * 17 + j] = pp;
           }
         }
         __syncwarp();
@@ -500,10 +578,43 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
           const bool in = role == 0 ? col <= row : col < row;
           dacc[0][nt].x[e] += in ? ex[row * 17 + col] : 0.f;
         });
-        __syncwarp();
       }
     }
     __syncthreads();
+  }
+  // Phase B's copies, in flight during the epilogue and the inverse: k e^G of every 64-column step from the w tile of
+  // the workspace (written in the slice phase; the barriers since order it; each w step then overwrites its columns
+  // with w) and v's first two 64-column slices.
+  constexpr int NK64 = KP / 64;
+  const int VS = a.VP / 64;
+  auto stage_v = [&](int it) {  // v columns [64 it, 64 it + 64) into buffer it % 2
+    Elem* dst = sVb + (it & 1) * C * L::LD64;
+    if constexpr (std::is_same<InT, Elem>::value) {  // raw copy: 16-byte cp.async where aligned and in range
+      stage_rows<InT, C, 64>(dst, L::LD64, vp + 64 * it, a.v, b, row0, hv, nrows, min(64, a.V - 64 * it), a.vec_v);
+    } else {
+      constexpr int PER = C * 64 / NTH;
+      float vals[PER];
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {  // every load issued before any store
+        const int e = tid + NTH * j, r = e >> 6, vv = 64 * it + (e & 63);
+        vals[j] = (r < nrows && vv < a.V) ? to_float(vp[a.v.offset(b, row0 + r, hv) + vv]) : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int e = tid + NTH * j;
+        dst[(e >> 6) * L::LD64 + (e & 63)] = to_elem<Elem>(vals[j]);
+      }
+    }
+  };
+  {
+    constexpr int EPC_E = 16 / sizeof(Elem), PIECES = 64 / EPC_E;
+    for (int e = tid; e < NK64 * C * PIECES; e += NTH) {
+      const int st = e / (C * PIECES), r = (e / PIECES) % C, cc = (e % PIECES) * EPC_E;
+      cp_async16(sKs + (st * C + r) * L::LD64 + cc, ws_w + r * KP + 64 * st + cc);
+    }
+    stage_v(0);
+    if (VS > 1) stage_v(1);
+    cp_async_commit();
   }
 
   // Epilogue of the intra-chunk matrices: Aqk = scale * tril(P) to the workspace, L (strictly lower, rows scaled by
@@ -600,56 +711,30 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 3 : 1) pr
     const float2 t = *reinterpret_cast<const float2*>(sLT + i * L::LDL + j);
     Op::store2(sTb + i * L::LDC + j, j <= i ? t.x * sBeta[j] : 0.f, j + 1 <= i ? t.y * sBeta[j + 1] : 0.f);
   }
+  // w = Tm diag(beta) (k exp2(G)) by role-0 warps and u = Tm diag(beta) v by role-1 warps, 64 columns a step.
+  cp_async_wait<0>();
   __syncthreads();
-  // w = Tm diag(beta) (k exp2(G)) by role-0 warps and u = Tm diag(beta) v by role-1 warps, 64 columns a step. k e^G
-  // comes back from the w tile of the workspace (written in the slice phase; the barriers since order it), which
-  // each step then overwrites with w in the same columns.
-  const int VS = a.VP / 64;
-  for (int it = 0; it < (NKS > VS ? NKS : VS); ++it) {
-    if (it < NKS) {
-      constexpr int EPC_E = 16 / sizeof(Elem), PIECES = 64 / EPC_E;
-      for (int e = tid; e < C * PIECES; e += NTH) {
-        const int r = e / PIECES, cc = (e % PIECES) * EPC_E;
-        cp_async16(sKs + r * L::LD64 + cc, ws_w + r * KP + 64 * it + cc);
-      }
+  for (int it = 0; it < (NK64 > VS ? NK64 : VS); ++it) {
+    if (it >= 2 && it < VS) {  // V > 128: the later v slices take turns in the two buffers
+      __syncthreads();         // step it - 2 is done with the buffer
+      stage_v(it);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
     }
-    if (it < VS) {
-      if constexpr (std::is_same<InT, Elem>::value) {  // raw copy: 16-byte cp.async where aligned and in range
-        const int cols = min(64, a.V - 64 * it);
-        stage_rows<InT, C, 64>(sV, L::LD64, vp + 64 * it, a.v, b, row0, hv, nrows, cols, a.vec_v);
-      } else {
-        constexpr int PER = C * 64 / NTH;
-        float vals[PER];
-#pragma unroll
-        for (int j = 0; j < PER; ++j) {  // every load issued before any store
-          const int e = tid + NTH * j, r = e >> 6, vv = 64 * it + (e & 63);
-          vals[j] = (r < nrows && vv < a.V) ? to_float(vp[a.v.offset(b, row0 + r, hv) + vv]) : 0.f;
-        }
-#pragma unroll
-        for (int j = 0; j < PER; ++j) {
-          const int e = tid + NTH * j;
-          sV[(e >> 6) * L::LD64 + (e & 63)] = to_elem<Elem>(vals[j]);
-        }
-      }
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    const bool w_step = role == 0 && it < NKS, u_step = role == 1 && it < VS;
+    const bool w_step = role == 0 && it < NK64, u_step = role == 1 && it < VS;
     if (has_block && (w_step || u_step)) {
       FragC out[1][8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) out[0][i].zero();
-      const Elem* bsrc = w_step ? sKs : sV;
-      const int ldb = L::LD64;
-      warp_gemm<Elem, 1, 8, false, true>(out, sTb, L::LDC, 16 * ab, bsrc, ldb, 0, 0, ab + 1);
+      const Elem* bsrc = w_step ? sKs + it * C * L::LD64 : sVb + (it & 1) * C * L::LD64;
+      warp_gemm<Elem, 1, 8, false, true>(out, sTb, L::LDC, 16 * ab, bsrc, L::LD64, 0, 0, ab + 1);
       Elem* dst = w_step ? ws_w + (16 * ab) * KP + 64 * it : ws_u + (16 * ab) * a.VP + 64 * it;
       const int ldd = w_step ? KP : a.VP;
       for_each_acc<1, 8>([&](int, int nt, int e, int row, int col) {
         if ((e & 1) == 0) Op::store2(dst + row * ldd + col, out[0][nt].x[e], out[0][nt].x[e + 1]);
       });
     }
-    __syncthreads();
   }
 }
 
