@@ -145,6 +145,8 @@ struct ForwardPlan {
   int seg_target = 1, seg_min_chunks = 0, seg_ld = 0;
   int64_t segments = 0;  // segment slots (the sequences without cuts)
   size_t off_seg_offsets = 0, off_seg = 0;
+  bool ordered = false;  // the recurrence runs the sequences longest first (ForwardArgs::seq_order)
+  size_t off_order = 0;
 };
 
 int env_int(const char* name, int fallback) {
@@ -181,7 +183,17 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
   // columns wide.)
   const bool wide128 = fp.cfg.KP <= 128 && fp.esz == 2 && pr.V > 64 && pr.V <= 128;
   const bool equal_lengths = !pr.varlen || (plan.cu_known && plan.max_len * pr.N == pr.T);
-  if (bv == 64 && wide128 && equal_lengths && ctas(64) > sms) bv = 128;
+  bool wide_wins = equal_lengths && ctas(64) > sms;
+  if (!equal_lengths && plan.cu_known && pr.N <= kMaxOrdered) {
+    // Known lengths that differ, run longest first (below): each width's time is about the longer of the longest
+    // sequence's chain and the whole work spread over the SMs, in 64-column chunk steps (a 128-column step costs
+    // ~1.75 of them; varlen [1300,547,2048,963,271,3063] H64: 127 against 111).
+    const double longest = static_cast<double>((plan.max_len + C - 1) / C), chunks = static_cast<double>(pr.num_chunks);
+    const double t64 = std::max(longest, chunks * pr.HV * ((pr.V + 63) / 64) / sms);
+    const double t128 = 1.75 * std::max(longest, chunks * pr.HV * ((pr.V + 127) / 128) / sms);
+    wide_wins = t128 < t64;
+  }
+  if (bv == 64 && wide128 && wide_wins) bv = 128;
   // Context parallelism for few heads: a sequence of at least 2 * 8192 tokens is cut into up to seg_target segments
   // of at least 8192 tokens, seg_target = the wide-tile CTAs that one sequence leaves the SMs short of. Both depend on
   // the head count and the device only, never on the batch (batch invariance). Developer overrides for tests and
@@ -240,6 +252,7 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
     fp.cfg.one_stage = c.one_stage;
   }
   fp.cfg.BV = bv;
+  fp.ordered = pr.varlen && fp.seg_target == 1 && pr.N > 1 && pr.N <= kMaxOrdered;
   auto align = [](size_t x) { return (x + 255) & ~size_t(255); };
   const size_t tiles = static_cast<size_t>(fp.slots) * pr.HV;
   size_t off = 0;
@@ -267,6 +280,10 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
     fp.seg_ld = static_cast<int>((pr.V + bv - 1) / bv * bv + fp.cfg.KP);
     fp.off_seg_offsets = off; off = align(off + 8 * (pr.N + 1));
     fp.off_seg = off; off = align(off + static_cast<size_t>(fp.segments) * pr.HV * fp.cfg.KP * fp.seg_ld * 4);
+  }
+  if (fp.ordered) {
+    fp.off_order = off;
+    off = align(off + 4 * static_cast<size_t>(pr.N));
   }
   fp.total = off;
   return fp;
@@ -372,6 +389,7 @@ void forward(const ForwardParams& p, const detail::Plan& plan, void* stream) {
     a.ws_seg = reinterpret_cast<float*>(ws + fp.off_seg);
     a.seg_ld = fp.seg_ld;
   }
+  if (fp.ordered) a.seq_order = reinterpret_cast<int32_t*>(ws + fp.off_order);
   a.vk = p.state.layout == StateLayout::kVK;
   a.initial = state_ref(p.state.initial_state);
   a.final_state = state_ref(p.state.final_state);

@@ -20,6 +20,10 @@ struct ForwardSmem {
   size_t prepare = 0, recurrence = 0;
 };
 
+// Varlen batches of at most this many sequences (and no context-parallel cuts) run the recurrence longest first; the
+// chunk-offsets kernel (one block of this many threads) ranks them.
+constexpr int kMaxOrdered = 1024;
+
 struct TokenTensor {  // [B,T,heads,dim] with a contiguous last dimension
   const void* p = nullptr;
   int64_t sb = 0, st = 0, sh = 0;
@@ -65,6 +69,9 @@ struct ForwardArgs {
   int seg_target = 1;        // segments a long sequence is cut into (1: none)
   int seg_min_chunks = 0;    // a sequence is cut only if it has >= 2 seg_min_chunks chunks; segments are >= this
   int64_t* seg_offsets = nullptr;  // [N+1] segments of the sequences before n (with seg_target > 1)
+  // [N] the recurrence's sequence order, longest first (varlen batches without cuts, N <= kMaxOrdered): the longest
+  // chains start first. Results do not depend on it (every CTA's work is independent of the others).
+  int32_t* seq_order = nullptr;
   int64_t num_segments = 0;  // segment slots of the grid and of ws_seg (an upper bound of the real segments)
   float* ws_seg = nullptr;   // [segment][HV][KP][seg_ld] fp32: columns [0, VT*BV) E or a start state, then M
   int seg_ld = 0;

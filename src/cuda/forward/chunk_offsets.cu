@@ -1,5 +1,5 @@
 // chunk_offsets[n] and seg_offsets[n]: chunks and context-parallel segments of the sequences before n (a block-wide
-// scan over per-thread ranges).
+// scan over per-thread ranges); seq_order: the sequences longest first (ties in index order), by rank counting.
 #include "cuda/forward/kernels.cuh"
 
 namespace kdakit::cuda {
@@ -44,6 +44,21 @@ __global__ void chunk_offsets_kernel(const ForwardArgs a) {
     run_s += s;
     a.chunk_offsets[n + 1] = run;
     if (a.seg_offsets != nullptr) a.seg_offsets[n + 1] = run_s;
+  }
+  if (a.seq_order != nullptr) {  // N <= kMaxOrdered = blockDim.x: one sequence per thread
+    __shared__ int64_t lens[kMaxOrdered];
+    int64_t len = -1;
+    if (tid < a.N) {
+      int64_t b, t0;
+      a.sequence(tid, b, t0, len);
+      lens[tid] = len;
+    }
+    __syncthreads();
+    if (tid < a.N) {
+      int rank = 0;
+      for (int m = 0; m < a.N; ++m) rank += lens[m] > len || (lens[m] == len && m < tid);
+      a.seq_order[rank] = tid;
+    }
   }
 }
 

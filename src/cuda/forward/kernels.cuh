@@ -87,7 +87,8 @@ struct SmemCursor {
 };
 
 // ---- chunk offsets ---------------------------------------------------------------------------------------
-// chunk_offsets[n] = number of chunks of the sequences before n. One block; sequences split over threads.
+// chunk_offsets[n] = number of chunks of the sequences before n, and the longest-first order. One block of
+// kMaxOrdered threads; sequences split over threads.
 __global__ void chunk_offsets_kernel(const ForwardArgs a);
 
 // ---- prepare ---------------------------------------------------------------------------------------------
@@ -138,25 +139,31 @@ constexpr int kPrepareThreads = 256;
 __host__ __device__ constexpr int kb_offset(int a) { return 8 * a * (a - 1); }
 // Copies rows [0, nrows) x cols [0, cols) of a token tensor into columns [0, WIDTH) of a smem tile [C][ld] (InT),
 // zero elsewhere. vec: 16-byte copies are legal (aligned base, strides and cols). Each thread keeps one 16-byte
-// column piece and walks the rows by pointer increments (the 64-bit offset arithmetic per piece was ~10
-// instructions).
+// column piece and walks a compile-time number of rows by pointer increments (the 64-bit offset arithmetic per piece
+// was ~10 instructions).
 template <typename InT, int C, int WIDTH>
 __device__ __forceinline__ void stage_rows(InT* dst, int ld, const InT* src, const TokenTensor& t, int64_t b,
                                            int64_t row0, int h, int nrows, int cols, bool vec) {
   constexpr int EPC = 16 / sizeof(InT), PIECES = WIDTH / EPC, STEP = kPrepareThreads / PIECES;
-  static_assert(WIDTH % EPC == 0 && kPrepareThreads % PIECES == 0, "whole pieces, a fixed piece per thread");
-  const int c0 = (threadIdx.x % PIECES) * EPC;
-  int r = threadIdx.x / PIECES;
-  const InT* s = src + t.offset(b, row0 + r, h) + c0;
+  static_assert(WIDTH % EPC == 0 && kPrepareThreads % PIECES == 0 && C % STEP == 0,
+                "whole pieces, a fixed piece per thread, whole row steps");
+  const int c0 = (threadIdx.x % PIECES) * EPC, r0 = threadIdx.x / PIECES;
+  const InT* s = src + t.offset(b, row0 + r0, h) + c0;
+  InT* d = dst + r0 * ld + c0;
   const int64_t step = STEP * t.st;
-#pragma unroll 1
-  for (; r < C; r += STEP, s += step) {
-    InT* d = dst + r * ld + c0;
-    if (vec && r < nrows && c0 < cols) {
-      cp_async16(d, s);
-    } else {
+  if (vec) {
+    const int rows = c0 < cols ? nrows : 0;  // a piece is wholly inside K or wholly past it
 #pragma unroll
-      for (int j = 0; j < EPC; ++j) d[j] = r < nrows && c0 + j < cols ? s[j] : InT(0.f);
+    for (int i = 0; i < C / STEP; ++i, s += step, d += STEP * ld) {
+      if (r0 + i * STEP < rows) cp_async16(d, s);
+      else *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  } else {
+#pragma unroll 1
+    for (int i = 0; i < C / STEP; ++i, s += step, d += STEP * ld) {
+      const bool in = r0 + i * STEP < nrows;
+#pragma unroll
+      for (int j = 0; j < EPC; ++j) d[j] = in && c0 + j < cols ? s[j] : InT(0.f);
     }
   }
 }
@@ -607,10 +614,16 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
     }
   };
   {
-    constexpr int EPC_E = 16 / sizeof(Elem), PIECES = 64 / EPC_E;
-    for (int e = tid; e < NK64 * C * PIECES; e += NTH) {
-      const int st = e / (C * PIECES), r = (e / PIECES) % C, cc = (e % PIECES) * EPC_E;
-      cp_async16(sKs + (st * C + r) * L::LD64 + cc, ws_w + r * KP + 64 * st + cc);
+    constexpr int EPC_E = 16 / sizeof(Elem), PIECES = 64 / EPC_E, STEP = NTH / PIECES;
+    static_assert(C % STEP == 0, "whole row steps");
+    const int cc = (tid % PIECES) * EPC_E, r0 = tid / PIECES;
+#pragma unroll
+    for (int st = 0; st < NK64; ++st) {
+#pragma unroll
+      for (int i = 0; i < C / STEP; ++i) {
+        const int r = r0 + i * STEP;
+        cp_async16(sKs + (st * C + r) * L::LD64 + cc, ws_w + r * KP + 64 * st + cc);
+      }
     }
     stage_v(0);
     if (VS > 1) stage_v(1);
@@ -775,10 +788,11 @@ struct RecurrenceWarps {
   static constexpr int COLS = BV / GROUPS;  // columns per warp
 };
 
-// Finds the sequence of segment slot g (seg_offsets[n] <= g < seg_offsets[n+1]); false past the last segment.
+// Finds the sequence of segment slot g (seg_offsets[n] <= g < seg_offsets[n+1]; without cuts the g-th sequence of
+// seq_order where it is given); false past the last segment.
 __device__ __forceinline__ bool segment_sequence(const ForwardArgs& a, int64_t g, int& n, int64_t& s) {
   if (a.seg_offsets == nullptr) {
-    n = static_cast<int>(g);
+    n = a.seq_order != nullptr ? a.seq_order[g] : static_cast<int>(g);
     s = 0;
     return true;
   }

@@ -150,7 +150,7 @@ ForwardSmem forward_smem(const ForwardConfig& cfg) {
 template <typename InT>
 void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t stream) {
   using Elem = typename std::conditional<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16, float>::type;
-  chunk_offsets_kernel<<<1, 1024, 0, stream>>>(a);
+  chunk_offsets_kernel<<<1, kMaxOrdered, 0, stream>>>(a);
   check_launch("chunk_offsets_kernel");
   if (a.num_slots > 0) {
     with_kp(cfg.KP, [&](auto kp_tag) {
