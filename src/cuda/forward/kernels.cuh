@@ -807,6 +807,97 @@ __device__ __forceinline__ bool segment_sequence(const ForwardArgs& a, int64_t g
   return true;
 }
 
+// A recurrence CTA's work: blockIdx.x = (segment slot, v-head, tile), tiles fastest; the sequence, its chunks in this
+// segment, and whether the tile is a transition tile (SCAN: the K / BV extra tiles that give M). False when the CTA
+// has nothing to do (past the last segment; the scan of a sequence's last segment; M of segment 0).
+struct RecurrenceTile {
+  int VT, tile, hv, n, vt, ncols;  // ncols: valid columns (value rows) of this tile's kind
+  int64_t gseg, seg, b, t0, len, nch_all, c_begin, c_end, base;
+  bool trans;
+};
+template <int KP, int BV, bool SCAN>
+__device__ __forceinline__ bool recurrence_tile(const ForwardArgs& a, RecurrenceTile& w) {
+  const int C = a.chunk;
+  w.VT = (a.V + BV - 1) / BV;
+  const int TILES = SCAN ? w.VT + KP / BV : w.VT;
+  int64_t idx = blockIdx.x;
+  w.tile = static_cast<int>(idx % TILES);
+  idx /= TILES;
+  w.hv = static_cast<int>(idx % a.HV);
+  w.gseg = idx / a.HV;  // segment slot
+  if (!segment_sequence(a, w.gseg, w.n, w.seg)) return false;
+  a.sequence(w.n, w.b, w.t0, w.len);
+  w.nch_all = (w.len + C - 1) / C;
+  int64_t per;
+  const int64_t nseg = a.segments_of(w.nch_all, per);
+  w.c_begin = w.seg * per;
+  w.c_end = min(w.nch_all, w.c_begin + per);  // this segment's chunks
+  w.trans = SCAN && w.tile >= w.VT;
+  if (SCAN && (w.seg == nseg - 1 || (w.trans && w.seg == 0))) return false;  // no scan of last segments; seg 0: no M
+  w.vt = w.trans ? w.tile - w.VT : w.tile;
+  w.ncols = w.trans ? a.K : a.V;
+  w.base = a.chunk_offsets[w.n];
+  return true;
+}
+
+// A recurrence stage in shared memory: one chunk's workspace tiles, laid out by each kernel's layout.
+template <typename Elem>
+struct RecurrenceStage {
+  Elem *w, *q, *k, *u, *a, *alo;
+  float* gam;
+};
+
+// Rows [0, C) of a [C][KP] workspace tile into a stage tile of row stride LDK: a compile-time number of steps over the
+// 64-row maximum (unrolled, constant address steps).
+template <typename Elem, int KP, int LDK, int NT>
+__device__ __forceinline__ void copy_ws_tile(Elem* dst, const Elem* src, int C) {
+  constexpr int EPC = 16 / sizeof(Elem), KC = KP / EPC;
+#pragma unroll
+  for (int i = 0; i < (64 * KC + NT - 1) / NT; ++i) {
+    const int e = threadIdx.x + i * NT, r = e / KC, c = (e % KC) * EPC;
+    if (r < C) cp_async16(dst + r * LDK + c, src + r * KP + c);
+  }
+}
+
+// Chunk ci's workspace tiles into stage t as one commit group: w; qg (not SCAN) and kg unless ONE_TILE (they take
+// turns in w's buffer later); the tile's BV columns of u (transition tiles have u = 0); Aqk and its lo tile (not
+// SCAN); gamma.
+template <typename Elem, int KP, int BV, int NT, int LDK, int LDB, int LDA, bool SPLIT_A, bool ONE_TILE, bool SCAN>
+__device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const RecurrenceTile& rt, int64_t ci,
+                                            const RecurrenceStage<Elem>& t) {
+  constexpr int EPC = 16 / sizeof(Elem);
+  const int C = a.chunk, tid = threadIdx.x;
+  const int64_t wtile = (rt.base + ci) * a.HV + rt.hv;
+  auto tile_of = [&](void* ws) { return static_cast<const Elem*>(ws) + wtile * C * KP; };
+  copy_ws_tile<Elem, KP, LDK, NT>(t.w, tile_of(a.ws_w), C);
+  if constexpr (!ONE_TILE) {
+    if constexpr (!SCAN) copy_ws_tile<Elem, KP, LDK, NT>(t.q, tile_of(a.ws_qg), C);
+    copy_ws_tile<Elem, KP, LDK, NT>(t.k, tile_of(a.ws_kg), C);
+  }
+  if (!rt.trans) {
+    const Elem* gu = static_cast<const Elem*>(a.ws_u) + wtile * C * a.VP + rt.vt * BV;
+    constexpr int BC = BV / EPC;
+#pragma unroll
+    for (int i = 0; i < (64 * BC + NT - 1) / NT; ++i) {
+      const int e = tid + i * NT, r = e / BC, c = (e % BC) * EPC;
+      if (r < C) cp_async16(t.u + r * LDB + c, gu + r * a.VP + c);
+    }
+  }
+  if constexpr (!SCAN) {
+    const Elem* ga = static_cast<const Elem*>(a.ws_a) + wtile * C * C;
+    const Elem* galo = static_cast<const Elem*>(a.ws_alo) + wtile * C * C;
+    const int AC = C / EPC;
+    for (int e = tid; e < C * AC; e += NT) {
+      const int r = e / AC, c = (e % AC) * EPC;
+      cp_async16(t.a + r * LDA + c, ga + r * C + c);
+      if constexpr (SPLIT_A) cp_async16(t.alo + r * LDA + c, galo + r * C + c);
+    }
+  }
+  const float* gg = a.ws_gam + wtile * KP;
+  for (int e = tid; e < KP / 4; e += NT) cp_async16(t.gam + 4 * e, gg + 4 * e);
+  cp_async_commit();
+}
+
 // SCAN = false: the recurrence of one segment (the whole sequence unless it is cut) for one V tile: outputs,
 // intermediate states, and the final state from the last segment; the start state is the caller's (segment 0) or the
 // merged one. SCAN = true: the context-parallel pre-scan of a segment that is not a sequence's last: no outputs; the
@@ -821,27 +912,12 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
   constexpr int MT = KP / 64, NTV = HB / 8, ROWS = KP / 4;
   constexpr int EPC = 16 / sizeof(Elem);  // elements per 16-byte copy
   const int C = a.chunk;
-  const int VT = (a.V + BV - 1) / BV;
-  const int TILES = SCAN ? VT + KP / BV : VT;
-  int64_t idx = blockIdx.x;
-  const int tile = static_cast<int>(idx % TILES);
-  idx /= TILES;
-  const int hv = static_cast<int>(idx % a.HV);
-  const int64_t gseg = idx / a.HV;  // segment slot
-  int n;
-  int64_t seg;
-  if (!segment_sequence(a, gseg, n, seg)) return;
-  int64_t b, t0, len;
-  a.sequence(n, b, t0, len);
-  const int64_t nch_all = (len + C - 1) / C;
-  int64_t per;
-  const int64_t nseg = a.segments_of(nch_all, per);
-  const int64_t c_begin = seg * per, c_end = min(nch_all, c_begin + per);  // this segment's chunks
-  const bool trans = SCAN && tile >= VT;  // transition columns (keys), SCAN only
-  if (SCAN && (seg == nseg - 1 || (trans && seg == 0))) return;  // no scan of last segments; seg 0 needs no M
-  const int vt = trans ? tile - VT : tile;
-  const int ncols = trans ? a.K : a.V;  // valid columns of this tile's kind
-  const int64_t base = a.chunk_offsets[n];
+  RecurrenceTile rt;
+  if (!recurrence_tile<KP, BV, SCAN>(a, rt)) return;
+  const int VT = rt.VT, hv = rt.hv, n = rt.n, vt = rt.vt, ncols = rt.ncols;
+  const int64_t gseg = rt.gseg, seg = rt.seg, b = rt.b, t0 = rt.t0, len = rt.len, nch_all = rt.nch_all;
+  const int64_t c_begin = rt.c_begin, c_end = rt.c_end, base = rt.base;
+  const bool trans = rt.trans;
   const int tid = threadIdx.x, warp = tid >> 5, w4 = warp & 3, cb = (warp >> 2) * HB;
   const int v0 = vt * BV + cb;  // this warp's first value (or key, for transition tiles) column
   // ws_seg rows of a segment slot: columns [0, VT*BV) values, then the K transition columns.
@@ -849,10 +925,7 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
   const int seg_col0 = trans ? VT * BV : 0;
 
   extern __shared__ __align__(16) char smem_raw[];
-  struct Stage {
-    Elem *w, *q, *k, *u, *a, *alo;
-    float* gam;
-  };
+  using Stage = RecurrenceStage<Elem>;
   auto stage = [&](int st) {
     Stage t;
     char* p = smem_raw + st * L::stage_stride();
@@ -891,53 +964,12 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
     S[mt][nt].x[e] = x;
   });
 
-  auto tile_of = [&](void* ws, int64_t ci) {
-    return static_cast<const Elem*>(ws) + ((base + ci) * a.HV + hv) * C * KP;
-  };
-  // Copy loops run a compile-time number of steps over the 64-row maximum (unrolled, constant address steps).
-  auto copy_tile = [&](Elem* dst, const Elem* src) {  // [C][KP] from the workspace
-    constexpr int KC = KP / EPC;
-#pragma unroll
-    for (int i = 0; i < (64 * KC + NT - 1) / NT; ++i) {
-      const int e = tid + i * NT, r = e / KC, c = (e % KC) * EPC;
-      if (r < C) cp_async16(dst + r * L::LDK + c, src + r * KP + c);
-    }
-  };
-  // Loads chunk ci into stage st (in ONE_TILE mode only w of the three [C][KP] tiles).
-  auto issue = [&](int64_t ci, int st) {
-    const Stage t = stage(st);
-    const int64_t wtile = (base + ci) * a.HV + hv;
-    copy_tile(t.w, tile_of(a.ws_w, ci));
-    if constexpr (!L::ONE_TILE) {
-      if (!SCAN) copy_tile(t.q, tile_of(a.ws_qg, ci));
-      copy_tile(t.k, tile_of(a.ws_kg, ci));
-    }
-    if (!trans) {  // transition columns have u = 0
-      const Elem* gu = static_cast<const Elem*>(a.ws_u) + wtile * C * a.VP + vt * BV;
-      constexpr int BC = BV / EPC;
-#pragma unroll
-      for (int i = 0; i < (64 * BC + NT - 1) / NT; ++i) {
-        const int e = tid + i * NT, r = e / BC, c = (e % BC) * EPC;
-        if (r < C) cp_async16(t.u + r * L::LDB + c, gu + r * a.VP + c);
-      }
-    }
-    if (!SCAN) {
-      const Elem* ga = static_cast<const Elem*>(a.ws_a) + wtile * C * C;
-      const int AC = C / EPC;
-      const Elem* galo = static_cast<const Elem*>(a.ws_alo) + wtile * C * C;
-      for (int e = tid; e < C * AC; e += NT) {
-        const int r = e / AC, c = (e % AC) * EPC;
-        cp_async16(t.a + r * L::LDA + c, ga + r * C + c);
-        if constexpr (L::SPLIT_A) cp_async16(t.alo + r * L::LDA + c, galo + r * C + c);
-      }
-    }
-    const float* gg = a.ws_gam + wtile * KP;
-    for (int e = tid; e < KP / 4; e += NT) cp_async16(t.gam + 4 * e, gg + 4 * e);
-    cp_async_commit();
+  auto issue = [&](int64_t ci, int st) {  // in ONE_TILE mode only w of the three [C][KP] tiles
+    issue_chunk<Elem, KP, BV, NT, L::LDK, L::LDB, L::LDA, L::SPLIT_A, L::ONE_TILE, SCAN>(a, rt, ci, stage(st));
   };
   auto reload = [&](Elem* dst, void* ws, int64_t ci) {  // ONE_TILE: swap the next tile in
     __syncthreads();
-    copy_tile(dst, tile_of(ws, ci));
+    copy_ws_tile<Elem, KP, L::LDK, NT>(dst, static_cast<const Elem*>(ws) + ((base + ci) * a.HV + hv) * C * KP, C);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -1125,27 +1157,12 @@ __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence
   constexpr bool SPLIT_V = sizeof(Elem) == 4;  // v_new as an A operand: split (float operands) or rounded once
   constexpr int EPC = 16 / sizeof(Elem);
   const int C = a.chunk;
-  const int VT = (a.V + BV - 1) / BV;
-  const int TILES = SCAN ? VT + KP / BV : VT;
-  int64_t idx = blockIdx.x;
-  const int tile = static_cast<int>(idx % TILES);
-  idx /= TILES;
-  const int hv = static_cast<int>(idx % a.HV);
-  const int64_t gseg = idx / a.HV;  // segment slot
-  int n;
-  int64_t seg;
-  if (!segment_sequence(a, gseg, n, seg)) return;
-  int64_t b, t0, len;
-  a.sequence(n, b, t0, len);
-  const int64_t nch_all = (len + C - 1) / C;
-  int64_t per;
-  const int64_t nseg = a.segments_of(nch_all, per);
-  const int64_t c_begin = seg * per, c_end = min(nch_all, c_begin + per);  // this segment's chunks
-  const bool trans = SCAN && tile >= VT;  // transition rows (keys), SCAN only
-  if (SCAN && (seg == nseg - 1 || (trans && seg == 0))) return;  // no scan of last segments; seg 0 needs no M
-  const int vt = trans ? tile - VT : tile;
-  const int ncols = trans ? a.K : a.V;  // valid value rows of this tile's kind
-  const int64_t base = a.chunk_offsets[n];
+  RecurrenceTile rt;
+  if (!recurrence_tile<KP, BV, SCAN>(a, rt)) return;
+  const int VT = rt.VT, hv = rt.hv, n = rt.n, vt = rt.vt, ncols = rt.ncols;
+  const int64_t gseg = rt.gseg, seg = rt.seg, b = rt.b, t0 = rt.t0, len = rt.len, nch_all = rt.nch_all;
+  const int64_t c_begin = rt.c_begin, c_end = rt.c_end, base = rt.base;
+  const bool trans = rt.trans;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int r0 = 16 * warp;     // this warp's first row within the tile
   const int v0 = vt * BV + r0;  // ... as a value (or key, for transition tiles) index
@@ -1153,10 +1170,7 @@ __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence
   const int seg_col0 = trans ? VT * BV : 0;
 
   extern __shared__ __align__(16) char smem_raw[];
-  struct Stage {
-    Elem *w, *q, *k, *u, *a, *alo;
-    float* gam;
-  };
+  using Stage = RecurrenceStage<Elem>;
   auto stage = [&](int st) {
     Stage t;
     char* p = smem_raw + st * L::stage_stride();
@@ -1199,45 +1213,8 @@ __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence
     });
   }
 
-  auto tile_of = [&](void* ws, int64_t ci) {
-    return static_cast<const Elem*>(ws) + ((base + ci) * a.HV + hv) * C * KP;
-  };
-  auto copy_tile = [&](Elem* dst, const Elem* src) {  // [C][KP] from the workspace
-    constexpr int KC = KP / EPC;
-#pragma unroll 4
-    for (int i = 0; i < (64 * KC + NT - 1) / NT; ++i) {
-      const int e = tid + i * NT, r = e / KC, c = (e % KC) * EPC;
-      if (r < C) cp_async16(dst + r * L::LDK + c, src + r * KP + c);
-    }
-  };
   auto issue = [&](int64_t ci, int st) {
-    const Stage t = stage(st);
-    const int64_t wtile = (base + ci) * a.HV + hv;
-    copy_tile(t.w, tile_of(a.ws_w, ci));
-    if (!SCAN) copy_tile(t.q, tile_of(a.ws_qg, ci));
-    copy_tile(t.k, tile_of(a.ws_kg, ci));
-    if (!trans) {  // transition rows have u = 0
-      const Elem* gu = static_cast<const Elem*>(a.ws_u) + wtile * C * a.VP + vt * BV;
-      constexpr int BC = BV / EPC;
-#pragma unroll 4
-      for (int i = 0; i < (64 * BC + NT - 1) / NT; ++i) {
-        const int e = tid + i * NT, r = e / BC, c = (e % BC) * EPC;
-        if (r < C) cp_async16(t.u + r * L::LDB + c, gu + r * a.VP + c);
-      }
-    }
-    if (!SCAN) {
-      const Elem* ga = static_cast<const Elem*>(a.ws_a) + wtile * C * C;
-      const int AC = C / EPC;
-      const Elem* galo = static_cast<const Elem*>(a.ws_alo) + wtile * C * C;
-      for (int e = tid; e < C * AC; e += NT) {
-        const int r = e / AC, c = (e % AC) * EPC;
-        cp_async16(t.a + r * L::LDA + c, ga + r * C + c);
-        if constexpr (L::SPLIT_A) cp_async16(t.alo + r * L::LDA + c, galo + r * C + c);
-      }
-    }
-    const float* gg = a.ws_gam + wtile * KP;
-    for (int e = tid; e < KP / 4; e += NT) cp_async16(t.gam + 4 * e, gg + 4 * e);
-    cp_async_commit();
+    issue_chunk<Elem, KP, BV, NT, L::LDK, L::LDB, L::LDA, L::SPLIT_A, false, SCAN>(a, rt, ci, stage(st));
   };
 
   const int NCC = C / 8;  // chunk-row n-tiles of this chunk size
