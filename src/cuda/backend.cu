@@ -176,11 +176,10 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
   // More than one wave of 64-column CTAs (one CTA per SM: their shared memory) over sequences of one length:
   // 128-column tiles, whose kernel (recurrence_vrows_kernel: eight warps of independent value rows) runs a chunk step
   // of twice the columns in ~1.7x the time of a 64-column step, so half the waves win (B1 T8192 H96: 192 CTAs on
-  // 132 SMs -> 96; B8 T4096 H32: 512 -> 256). With one wave of 64-column CTAs the narrower tiles' shorter step wins,
-  // and so it does where lengths differ or are unknown: the longest sequence's chain, 1.7x longer with wide tiles,
-  // then sets the time (varlen [1300,547,2048,963,271,3063] H64: 0.66 ms with 64 columns, 0.75 ms with 128). Either
-  // kernel gives the same bits. (Needs bf16 operands, K <= 128 and V in (64, 128]: the u workspace rows are VP = 128
-  // columns wide.)
+  // 132 SMs -> 96; B8 T4096 H32: 512 -> 256). With one wave of 64-column CTAs the narrower tiles' shorter step wins.
+  // Sequences of different lengths: where the host knows them, the estimate below decides; where it does not, 64
+  // columns (the longest chain, 1.7x longer with wide tiles, may set the time). Either kernel gives the same bits.
+  // (Needs bf16 operands, K <= 128 and V in (64, 128]: the u workspace rows are VP = 128 columns wide.)
   const bool wide128 = fp.cfg.KP <= 128 && fp.esz == 2 && pr.V > 64 && pr.V <= 128;
   const bool equal_lengths = !pr.varlen || (plan.cu_known && plan.max_len * pr.N == pr.T);
   bool wide_wins = equal_lengths && ctas(64) > sms;

@@ -6,7 +6,7 @@ namespace kdakit::cuda {
 
 __global__ void chunk_offsets_kernel(const ForwardArgs a) {
   // Inclusive scans of chunks and segments per sequence; sequences split evenly over the threads.
-  __shared__ int64_t partial[2][1024];
+  __shared__ int64_t partial[2][kMaxOrdered];  // the kernel runs one block of kMaxOrdered threads
   const int nt = blockDim.x, tid = threadIdx.x;
   const int per = (a.N + nt - 1) / nt;
   const int lo = min(a.N, tid * per), hi = min(a.N, lo + per);

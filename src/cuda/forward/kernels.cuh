@@ -910,7 +910,6 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
   constexpr int NT = RecurrenceWarps<BV>::THREADS;
   constexpr int HB = RecurrenceWarps<BV>::COLS;  // columns per warp
   constexpr int MT = KP / 64, NTV = HB / 8, ROWS = KP / 4;
-  constexpr int EPC = 16 / sizeof(Elem);  // elements per 16-byte copy
   const int C = a.chunk;
   RecurrenceTile rt;
   if (!recurrence_tile<KP, BV, SCAN>(a, rt)) return;
@@ -1155,7 +1154,6 @@ __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence
   constexpr int NC = 64 / 8;   // chunk-row n-tiles at the 64-row maximum
   constexpr int SP = Op::kSplit;
   constexpr bool SPLIT_V = sizeof(Elem) == 4;  // v_new as an A operand: split (float operands) or rounded once
-  constexpr int EPC = 16 / sizeof(Elem);
   const int C = a.chunk;
   RecurrenceTile rt;
   if (!recurrence_tile<KP, BV, SCAN>(a, rt)) return;
