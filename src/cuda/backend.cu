@@ -60,6 +60,22 @@ int sm_count(int device) {
   return cache[device];
 }
 
+// Compute capability as 10 * major + minor (90: Hopper, the one with warpgroup MMAs); 0 if unknown.
+int compute_capability(int device) {
+  static int cache[64] = {};
+  if (device < 0 || device >= 64) return 0;
+  if (cache[device] == 0) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    cache[device] = 10 * major + minor;
+  }
+  return cache[device];
+}
+
 // Opt-in shared memory per block (H100/H200: 227 KB, A100: 163 KB, sm_86/89: 99 KB). KDAKIT_SMEM_LIMIT lowers it
 // (tests on a large GPU emulate smaller ones); it never raises it.
 size_t smem_limit(int device) {
@@ -167,6 +183,10 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
   } else {
     fp.slots = pr.B * ((pr.T + C - 1) / C);
   }
+  // Warpgroup MMAs for the recurrence on Hopper (sm_90): bf16 operands, chunk 64, K <= 128, 64- or 128-column tiles.
+  // They give the same bits as the mma.sync kernels (tested). KDAKIT_FORWARD_WGMMA=0 turns them off (A/B timing).
+  const bool wgmma = compute_capability(pr.device_index) == 90 && fp.esz == 2 && fp.cfg.KP <= 128 && C == 64 &&
+                     env_int("KDAKIT_FORWARD_WGMMA", 1) != 0;
   // The recurrence's V tile: the widest that still gives every SM work.
   const int sms = sm_count(pr.device_index);
   auto ctas = [&](int bv) { return pr.N * pr.HV * ((pr.V + bv - 1) / bv); };
@@ -186,10 +206,10 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
   if (!equal_lengths && plan.cu_known && pr.N <= kMaxOrdered) {
     // Known lengths that differ, run longest first (below): each width's time is about the longer of the longest
     // sequence's chain and the whole work spread over the SMs, in 64-column chunk steps (a 128-column step costs
-    // ~1.75 of them; varlen [1300,547,2048,963,271,3063] H64: 127 against 111).
+    // ~1.75 of them, ~1.2 with warpgroup MMAs; varlen [1300,547,2048,963,271,3063] H64: 127 against 111).
     const double longest = static_cast<double>((plan.max_len + C - 1) / C), chunks = static_cast<double>(pr.num_chunks);
     const double t64 = std::max(longest, chunks * pr.HV * ((pr.V + 63) / 64) / sms);
-    const double t128 = 1.75 * std::max(longest, chunks * pr.HV * ((pr.V + 127) / 128) / sms);
+    const double t128 = (wgmma ? 1.2 : 1.75) * std::max(longest, chunks * pr.HV * ((pr.V + 127) / 128) / sms);
     wide_wins = t128 < t64;
   }
   if (bv == 64 && wide128 && wide_wins) bv = 128;
@@ -209,7 +229,9 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
     if (target >= 2 && longest_chunks >= 2 * int64_t(min_chunks)) {
       fp.seg_target = target;
       fp.seg_min_chunks = min_chunks;
-      bv = wide;  // the segments supply the parallelism; wide tiles do the most work per chunk step
+      // The segments supply the parallelism; wide tiles do the most work per chunk step (warpgroup MMAs: 128
+      // columns, B1 T65536 H8 recurrence 1.009 -> 0.915 ms).
+      bv = wgmma && wide128 ? 128 : wide;
     }
   }
   // Developer override for tuning (KDAKIT_FORWARD_BV=16|32|64|128); the result does not depend on it.
@@ -230,6 +252,7 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
       for (const bool one : {false, true}) {
         c.BV = w;
         c.one_stage = one;
+        c.wgmma = wgmma && (w == 64 || w == 128);
         if (forward_smem_of(in, c).recurrence <= limit) {
           fit = true;
           break;
@@ -249,6 +272,7 @@ ForwardPlan plan_forward_cuda(const ForwardParams& p, const detail::Plan& plan) 
     }
     bv = c.BV;
     fp.cfg.one_stage = c.one_stage;
+    fp.cfg.wgmma = c.wgmma;
   }
   fp.cfg.BV = bv;
   fp.ordered = pr.varlen && fp.seg_target == 1 && pr.N > 1 && pr.N <= kMaxOrdered;
@@ -367,6 +391,9 @@ void forward(const ForwardParams& p, const detail::Plan& plan, void* stream) {
     };
     a.pair_qk = paired(p.in.q) && paired(p.in.k);
     a.pair_g = paired(p.in.g);
+    a.vec_out = p.out.dtype == DType::kBFloat16 && pr.V % 8 == 0 &&
+                reinterpret_cast<uintptr_t>(p.out.data) % 16 == 0 && p.out.strides[0] % 8 == 0 &&
+                p.out.strides[1] % 8 == 0 && p.out.strides[2] % 8 == 0;
   }
   a.chunk = p.chunk_size;
   a.chunk_offsets = reinterpret_cast<int64_t*>(ws + fp.off_offsets);

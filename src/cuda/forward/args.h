@@ -13,6 +13,7 @@ struct ForwardConfig {
   int KP = 64;     // K padded: 64, 128, 256
   int BV = 64;     // value columns per recurrence CTA: 16, 32, 64, 128
   bool one_stage = false;  // the recurrence without its prefetch stage (devices with less shared memory)
+  bool wgmma = false;      // the recurrence by warpgroup MMAs (sm_90, bf16, chunk 64, K <= 128, BV 64 or 128)
 };
 
 // Shared memory per block (bytes) the forward's kernels need for a configuration.
@@ -45,6 +46,7 @@ struct ForwardArgs {
   bool vec_g = false;   // likewise g rows (aligned base, strides and K)
   bool pair_qk = false; // q and k elements may be read in aligned pairs (base and strides even in elements)
   bool pair_g = false;  // likewise g
+  bool vec_out = false;  // bf16 output rows may be written in 16-byte pieces (aligned base and strides, V % 8 == 0)
   int B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, group = 1, N = 0;
   DynPtr cu_seqlens;  // absent: fixed length
   int chunk = 64;

@@ -14,6 +14,7 @@
 
 #include "common/kda_math.h"
 #include "cuda/common/mma.cuh"
+#include "cuda/common/wgmma.cuh"
 #include "cuda/forward/args.h"
 
 namespace kdakit::cuda {
@@ -859,20 +860,44 @@ __device__ __forceinline__ void copy_ws_tile(Elem* dst, const Elem* src, int C) 
   }
 }
 
+// Rows [0, C) of a [C][KC] workspace tile into a swizzled stage tile (wgmma.cuh, bf16): each 8 lanes copy one
+// 128-byte row (a permutation of one row's pieces in shared memory: no bank conflicts).
+template <typename Elem, int KC, int NT>
+__device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int C) {
+  static_assert(sizeof(Elem) == 2, "swizzled stage tiles hold bf16 operands");
+  constexpr int KB = KC / 8, RS = NT / KB;  // 16-byte pieces per row; rows per pass (a multiple of 8: same swizzle)
+  static_assert(NT % KB == 0 && RS % 8 == 0 && 64 % RS == 0, "whole 8-row groups per pass");
+  const int r = threadIdx.x / KB, c = (threadIdx.x % KB) * 8;
+  Elem* d = dst + swizzled_offset<KC>(r, c);
+  const Elem* g = src + r * KC + c;
+#pragma unroll
+  for (int i = 0; i < 64 / RS; ++i) {
+    if (r + i * RS < C) cp_async16(d + i * RS * 64, g + i * RS * KC);
+  }
+}
+
 // Chunk ci's workspace tiles into stage t as one commit group: w; qg (not SCAN) and kg unless ONE_TILE (they take
 // turns in w's buffer later); the tile's BV columns of u (transition tiles have u = 0); Aqk and its lo tile (not
-// SCAN); gamma.
-template <typename Elem, int KP, int BV, int NT, int LDK, int LDB, int LDA, bool SPLIT_A, bool ONE_TILE, bool SCAN>
+// SCAN); gamma. TILED: w, qg, kg, Aqk in the swizzled layout of the warpgroup MMAs (chunk 64), else row-major with
+// row strides LDK / LDA.
+template <typename Elem, int KP, int BV, int NT, int LDK, int LDB, int LDA, bool SPLIT_A, bool ONE_TILE, bool SCAN,
+          bool TILED = false>
 __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const RecurrenceTile& rt, int64_t ci,
                                             const RecurrenceStage<Elem>& t) {
   constexpr int EPC = 16 / sizeof(Elem);
   const int C = a.chunk, tid = threadIdx.x;
   const int64_t wtile = (rt.base + ci) * a.HV + rt.hv;
   auto tile_of = [&](void* ws) { return static_cast<const Elem*>(ws) + wtile * C * KP; };
-  copy_ws_tile<Elem, KP, LDK, NT>(t.w, tile_of(a.ws_w), C);
-  if constexpr (!ONE_TILE) {
-    if constexpr (!SCAN) copy_ws_tile<Elem, KP, LDK, NT>(t.q, tile_of(a.ws_qg), C);
-    copy_ws_tile<Elem, KP, LDK, NT>(t.k, tile_of(a.ws_kg), C);
+  if constexpr (TILED) {
+    copy_ws_swizzled<Elem, KP, NT>(t.w, tile_of(a.ws_w), C);
+    if constexpr (!SCAN) copy_ws_swizzled<Elem, KP, NT>(t.q, tile_of(a.ws_qg), C);
+    copy_ws_swizzled<Elem, KP, NT>(t.k, tile_of(a.ws_kg), C);
+  } else {
+    copy_ws_tile<Elem, KP, LDK, NT>(t.w, tile_of(a.ws_w), C);
+    if constexpr (!ONE_TILE) {
+      if constexpr (!SCAN) copy_ws_tile<Elem, KP, LDK, NT>(t.q, tile_of(a.ws_qg), C);
+      copy_ws_tile<Elem, KP, LDK, NT>(t.k, tile_of(a.ws_kg), C);
+    }
   }
   if (!rt.trans) {
     const Elem* gu = static_cast<const Elem*>(a.ws_u) + wtile * C * a.VP + rt.vt * BV;
@@ -883,7 +908,10 @@ __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const Recurren
       if (r < C) cp_async16(t.u + r * LDB + c, gu + r * a.VP + c);
     }
   }
-  if constexpr (!SCAN) {
+  if constexpr (!SCAN && TILED) {
+    copy_ws_swizzled<Elem, 64, NT>(t.a, static_cast<const Elem*>(a.ws_a) + wtile * C * C, C);
+    copy_ws_swizzled<Elem, 64, NT>(t.alo, static_cast<const Elem*>(a.ws_alo) + wtile * C * C, C);
+  } else if constexpr (!SCAN) {
     const Elem* ga = static_cast<const Elem*>(a.ws_a) + wtile * C * C;
     const Elem* galo = static_cast<const Elem*>(a.ws_alo) + wtile * C * C;
     const int AC = C / EPC;
@@ -1099,10 +1127,15 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
 // shared memory and were read by four warps each). Products, roundings and their k order are those of
 // recurrence_kernel (bf16 operands: the chunk-start state as hi + lo, v_new rounded once, Aqk as hi + lo).
 // KP <= 128: the state takes KP / 2 registers per thread.
-template <typename Elem, int KP, int BV, bool ONE_STAGE = false>
+// WG (Hopper, bf16, chunk 64, BV = 64 or 128): the same products as warpgroup MMAs (wgmma.cuh): each group of four
+// warps (64 value rows) issues them together with its register A fragments, and the workspace tiles, stored in the
+// core-matrix layout, are read from shared memory once per warpgroup instead of once per warp (ldmatrix). The MMAs run
+// asynchronously: the state's decay and the u loads overlap the first products.
+template <typename Elem, int KP, int BV, bool ONE_STAGE = false, bool WG = false>
 struct VrowsLayout {
+  static_assert(!WG || (sizeof(Elem) == 2 && BV % 64 == 0), "warpgroup MMAs: bf16 operands, whole warpgroups");
   static constexpr int PAD = smem_pad<Elem>();
-  static constexpr int LDK = KP + PAD, LDB = BV + PAD, LDA = 64 + PAD;
+  static constexpr int LDK = WG ? KP : KP + PAD, LDB = BV + PAD, LDA = WG ? 64 : 64 + PAD;
   static constexpr int WARPS = BV / 16, THREADS = 32 * WARPS;
   // Two stages (the next chunk's tiles prefetched) for bf16 operands; ONE_STAGE for devices with less shared memory.
   static constexpr int STAGES = (!ONE_STAGE && sizeof(Elem) == 2) ? 2 : 1;
@@ -1110,8 +1143,13 @@ struct VrowsLayout {
   static constexpr size_t stage_bytes() {
     return sizeof(Elem) * (3 * 64 * LDK + 64 * LDB + (SPLIT_A ? 2 : 1) * 64 * LDA) + 4 * KP;
   }
-  static constexpr size_t stage_stride() { return (stage_bytes() + 15) & ~size_t(15); }
-  static constexpr size_t bytes() { return STAGES * stage_stride(); }
+  // WG: the swizzled tiles (w, qg, kg at 64 * KP, u, Aqk, its lo tile) start at multiples of 1024 bytes from a base
+  // aligned in the kernel (hence the 1 KB of slack).
+  static constexpr size_t ALIGN = WG ? 1024 : 16;
+  static_assert(!WG || (64 * LDB * sizeof(Elem)) % 1024 == 0, "u tile keeps the swizzled tiles 1024-byte aligned");
+  static constexpr size_t stage_stride() { return (stage_bytes() + ALIGN - 1) & ~(ALIGN - 1); }
+  // WG: a [64][LDB] bf16 tile after the stages stages the outputs (ForwardArgs::vec_out).
+  static constexpr size_t bytes() { return STAGES * stage_stride() + (WG ? 1024 + 64 * LDB * sizeof(Elem) : 0); }
 };
 
 // The A fragment (m16 x k16) of accumulator n-tiles c0 (k 0..7) and c1 (k 8..15): split into hi + lo bf16 (a[0],
@@ -1144,9 +1182,9 @@ __device__ __forceinline__ void mma_split_a(FragC& c, const FragA (&a)[2], const
 }
 
 // SCAN as in recurrence_kernel (the context-parallel pre-scan: E from value tiles, M from transition tiles).
-template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE = false>
+template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE = false, bool WG = false>
 __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence_vrows_kernel(const ForwardArgs a) {
-  using L = VrowsLayout<Elem, KP, BV, ONE_STAGE>;
+  using L = VrowsLayout<Elem, KP, BV, ONE_STAGE, WG>;
   using Op = Operand<Elem>;
   static_assert(KP <= 128, "the transposed state holds KP / 2 registers per thread");
   constexpr int NT = L::THREADS;
@@ -1168,10 +1206,11 @@ __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence
   const int seg_col0 = trans ? VT * BV : 0;
 
   extern __shared__ __align__(16) char smem_raw[];
+  char* const smem = smem_raw + ((L::ALIGN - (smem_addr(smem_raw) & (L::ALIGN - 1))) & (L::ALIGN - 1));
   using Stage = RecurrenceStage<Elem>;
   auto stage = [&](int st) {
     Stage t;
-    char* p = smem_raw + st * L::stage_stride();
+    char* p = smem + st * L::stage_stride();
     t.w = reinterpret_cast<Elem*>(p);
     t.q = t.w + 64 * L::LDK;
     t.k = t.q + 64 * L::LDK;
@@ -1181,6 +1220,7 @@ __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence
     t.gam = reinterpret_cast<float*>(t.a + (L::SPLIT_A ? 2 : 1) * 64 * L::LDA);
     return t;
   };
+  Elem* const sO = reinterpret_cast<Elem*>(smem + L::STAGES * L::stage_stride());  // WG: [64][LDB] outputs
 
   int64_t slot = n;
   if (a.state_indices.present()) slot = a.state_indices.load_int(n);
@@ -1212,14 +1252,27 @@ __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence
   }
 
   auto issue = [&](int64_t ci, int st) {
-    issue_chunk<Elem, KP, BV, NT, L::LDK, L::LDB, L::LDA, L::SPLIT_A, false, SCAN>(a, rt, ci, stage(st));
+    issue_chunk<Elem, KP, BV, NT, L::LDK, L::LDB, L::LDA, L::SPLIT_A, false, SCAN, WG>(a, rt, ci, stage(st));
+  };
+  // S^T = S^T diag(gamma).
+  auto decay = [&](const Stage& t) {
+    const int t2 = 2 * (lane & 3);
+#pragma unroll
+    for (int nd = 0; nd < ND; ++nd) {
+      const float2 gm = *reinterpret_cast<const float2*>(t.gam + 8 * nd + t2);
+      S[nd].x[0] *= gm.x;
+      S[nd].x[1] *= gm.y;
+      S[nd].x[2] *= gm.x;
+      S[nd].x[3] *= gm.y;
+    }
   };
 
-  const int NCC = C / 8;  // chunk-row n-tiles of this chunk size
+  const int NCC = C / 8;  // chunk-row n-tiles of this chunk size (WG: 8)
   if (c_begin < c_end) issue(c_begin, 0);
   for (int64_t ci = c_begin; ci < c_end; ++ci) {
     const int st = L::STAGES == 2 ? static_cast<int>((ci - c_begin) & 1) : 0;
     cp_async_wait<0>();
+    if constexpr (WG) fence_proxy_async();  // the MMAs read the stage through the asynchronous proxy
     __syncthreads();  // chunk ci visible; every warp is done with chunk ci-1's stage
     if (L::STAGES == 2 && ci + 1 < c_end) issue(ci + 1, st ^ 1);
     const Stage t = stage(st);
@@ -1242,8 +1295,41 @@ __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence
     FragC vn[NC], o[NC];
 #pragma unroll
     for (int i = 0; i < NC; ++i) { vn[i].zero(); o[i].zero(); }
+    if constexpr (WG) {
+      // Every key step's A fragments first (they stay untouched until the MMAs are done), then per key step the lo
+      // products and the hi products, as below.
+      FragA sa[KP / 16][2];
 #pragma unroll
-    for (int kd = 0; kd < KP / 16; ++kd) {
+      for (int kd = 0; kd < KP / 16; ++kd) {
+        acc_to_a<true>(S[2 * kd], S[2 * kd + 1], sa[kd]);
+        pin(sa[kd][0]);
+        pin(sa[kd][1]);
+      }
+      pin(vn);
+      pin(o);
+      const uint64_t dw = wgmma_desc_k_major(t.w), dq = wgmma_desc_k_major(t.q);
+      wgmma_fence();
+#pragma unroll
+      for (int kd = 0; kd < KP / 16; ++kd) {
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+          wgmma_m64n64k16<0>(vn, sa[kd][1 - part], wgmma_k_step(dw, 16 * kd));
+          if constexpr (!SCAN) wgmma_m64n64k16<0>(o, sa[kd][1 - part], wgmma_k_step(dq, 16 * kd));
+        }
+      }
+      wgmma_commit();
+      decay(t);  // S itself is not an operand of these products
+      wgmma_wait<0>();
+      pin(vn);
+      pin(o);
+#pragma unroll
+      for (int kd = 0; kd < KP / 16; ++kd) {
+        pin(sa[kd][0]);
+        pin(sa[kd][1]);
+      }
+    }
+#pragma unroll
+    for (int kd = 0; kd < (WG ? 0 : KP / 16); ++kd) {
       FragA sa[2];
       acc_to_a<true>(S[2 * kd], S[2 * kd + 1], sa);
       FragB bw[NC / 2][2][SP], bq[NC / 2][2][SP];
@@ -1284,7 +1370,34 @@ __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence
 #pragma unroll
     for (int kt = 0; kt < NC / 2; ++kt) acc_to_a<SPLIT_V>(vn[2 * kt], vn[2 * kt + 1], va[kt]);
 
-    if constexpr (!SCAN) {  // o^T += v_new^T Aqk^T (Aqk is zero above the diagonal: source rows <= target rows)
+    if constexpr (WG) {
+      // S^T += v_new^T kg (kg read N-major), then o^T += v_new^T Aqk^T over every source block (the blocks above the
+      // diagonal are zero: exact), lo tile first, as below.
+      pin(S);
+      pin(o);
+#pragma unroll
+      for (int kt = 0; kt < NC / 2; ++kt) pin(va[kt][0]);
+      const uint64_t dk = wgmma_desc_n_major(t.k), dalo = wgmma_desc_k_major(t.alo), da = wgmma_desc_k_major(t.a);
+      wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < NC / 2; ++kt) {
+        if constexpr (KP == 128) wgmma_m64n128k16<1>(S, va[kt][0], wgmma_n_step(dk, 16 * kt));
+        else wgmma_m64n64k16<1>(S, va[kt][0], wgmma_n_step(dk, 16 * kt));
+      }
+      if constexpr (!SCAN) {
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+#pragma unroll
+          for (int kt = 0; kt < NC / 2; ++kt) wgmma_m64n64k16<0>(o, va[kt][0], wgmma_k_step(part ? da : dalo, 16 * kt));
+        }
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin(S);
+      pin(o);
+#pragma unroll
+      for (int kt = 0; kt < NC / 2; ++kt) pin(va[kt][0]);
+    } else if constexpr (!SCAN) {  // o^T += v_new^T Aqk^T (Aqk is zero above the diagonal: source rows <= target rows)
       // The lo tile's products over every source block, then the hi tile's: recurrence_kernel's order, so that both
       // kernels give the same bits (the tile width, chosen from the batch, must not change a result).
 #pragma unroll
@@ -1303,7 +1416,33 @@ __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence
           }
         }
       }
-      const int64_t orow0 = b * a.out_sb + (t0 + ci * C) * a.out_st + hv * a.out_sh;
+    }
+    const int64_t orow0 = b * a.out_sb + (t0 + ci * C) * a.out_st + hv * a.out_sh;
+    if constexpr (WG && !SCAN) {
+      if (a.vec_out) {
+        // The warp's 16 value columns x 64 chunk rows transposed through shared memory (stmatrix), then 16-byte rows
+        // to the output.
+        __syncwarp();  // this warp's reads of the previous chunk's tile are done
+        const int m = lane >> 3, i = lane & 7;
+#pragma unroll
+        for (int p = 0; p < NC / 2; ++p) {
+          const FragC &c0 = o[2 * p], &c1 = o[2 * p + 1];
+          stsm_x4_t(sO + (16 * p + 8 * (m >> 1) + i) * L::LDB + r0 + 8 * (m & 1), pack_bf16(c0.x[0], c0.x[1]),
+                    pack_bf16(c0.x[2], c0.x[3]), pack_bf16(c1.x[0], c1.x[1]), pack_bf16(c1.x[2], c1.x[3]));
+        }
+        __syncwarp();
+        Elem* op = static_cast<Elem*>(a.out.p) + orow0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int q = lane + 32 * j, r = q >> 1, h = 8 * (q & 1);
+          if (r < nrows && v0 + h < a.V) {
+            *reinterpret_cast<uint4*>(op + r * a.out_st + v0 + h) =
+                *reinterpret_cast<const uint4*>(sO + r * L::LDB + r0 + h);
+          }
+        }
+      }
+    }
+    if (!SCAN && !(WG && a.vec_out)) {
       with_typed(a.out, [&](auto* op) {
         using OutT = std::remove_pointer_t<decltype(op)>;
         for_each_acc<1, NC>([&](int, int nt, int e, int row, int r) {
@@ -1313,20 +1452,10 @@ __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence
       });
     }
 
-    // S^T = S^T diag(gamma) + v_new^T kg.
-    {
-      const int t2 = 2 * (lane & 3);
+    // S^T = S^T diag(gamma) + v_new^T kg (WG: done above).
+    if constexpr (!WG) decay(t);
 #pragma unroll
-      for (int nd = 0; nd < ND; ++nd) {
-        const float2 gm = *reinterpret_cast<const float2*>(t.gam + 8 * nd + t2);
-        S[nd].x[0] *= gm.x;
-        S[nd].x[1] *= gm.y;
-        S[nd].x[2] *= gm.x;
-        S[nd].x[3] *= gm.y;
-      }
-    }
-#pragma unroll
-    for (int kt = 0; kt < NC / 2; ++kt) {
+    for (int kt = 0; kt < (WG ? 0 : NC / 2); ++kt) {
       if (2 * kt < NCC) {
 #pragma unroll
         for (int np = 0; np < ND / 2; ++np) {

@@ -70,23 +70,28 @@ void launch_prepare(const ForwardArgs& a, cudaStream_t stream) {
 
 // 128-column tiles (bf16 operands, K <= 128): recurrence_vrows_kernel, eight warps of independent value rows per
 // CTA; narrower tiles: recurrence_kernel, whose warps split the keys as well (16 warps per 64 columns; the value-row
-// kernel's four warps at 64 columns wait on their own instruction chains: docs/perf-notes.md).
-template <int KP, int BV>
-constexpr bool kVrows = KP <= 128 && BV == 128;
+// kernel's four warps at 64 columns wait on their own instruction chains: docs/perf-notes.md). With warpgroup MMAs
+// (WG: Hopper, ForwardConfig::wgmma) the value-row kernel takes 64-column tiles as well (one warpgroup).
+template <int KP, int BV, bool WG = false>
+constexpr bool kVrows = KP <= 128 && (BV == 128 || (WG && BV == 64));
 
-template <typename Elem, int KP, int BV, bool ONE_STAGE = false>
+// Where the warpgroup-MMA variant exists: bf16 operands, K <= 128, whole warpgroups of value rows.
+template <typename Elem, int KP, int BV>
+constexpr bool kHasWgmma = sizeof(Elem) == 2 && KP <= 128 && (BV == 64 || BV == 128);
+
+template <typename Elem, int KP, int BV, bool ONE_STAGE = false, bool WG = false>
 constexpr size_t recurrence_bytes() {
-  if constexpr (kVrows<KP, BV>) return VrowsLayout<Elem, KP, BV, ONE_STAGE>::bytes();
+  if constexpr (kVrows<KP, BV, WG>) return VrowsLayout<Elem, KP, BV, ONE_STAGE, WG>::bytes();
   else return RecurrenceLayout<Elem, KP, BV, ONE_STAGE>::bytes();
 }
 
-template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE>
+template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE, bool WG>
 void launch_recurrence_kind(const ForwardArgs& a, cudaStream_t stream) {
   const int64_t tiles = (a.V + BV - 1) / BV + (SCAN ? KP / BV : 0);
   const int64_t ctas = a.num_segments * a.HV * tiles;
-  const size_t bytes = recurrence_bytes<Elem, KP, BV, ONE_STAGE>();
-  if constexpr (kVrows<KP, BV>) {
-    auto kernel = recurrence_vrows_kernel<Elem, KP, BV, SCAN, ONE_STAGE>;
+  const size_t bytes = recurrence_bytes<Elem, KP, BV, ONE_STAGE, WG>();
+  if constexpr (kVrows<KP, BV, WG>) {
+    auto kernel = recurrence_vrows_kernel<Elem, KP, BV, SCAN, ONE_STAGE, WG>;
     set_smem(kernel, bytes);
     kernel<<<static_cast<unsigned>(ctas), VrowsLayout<Elem, KP, BV>::THREADS, bytes, stream>>>(a);
   } else {
@@ -99,32 +104,43 @@ void launch_recurrence_kind(const ForwardArgs& a, cudaStream_t stream) {
 
 // The recurrence; with context parallelism first the segment scan and the merge of the segments' start states.
 // ONE_STAGE variants exist only where the default layout has two stages.
-template <typename Elem, int KP, int BV>
+template <typename Elem, int KP, int BV, bool WG = false>
 constexpr bool kHasOneStage =
-    kVrows<KP, BV> ? VrowsLayout<Elem, KP, BV>::STAGES == 2 : RecurrenceLayout<Elem, KP, BV>::STAGES == 2;
+    kVrows<KP, BV, WG> ? VrowsLayout<Elem, KP, BV>::STAGES == 2 : RecurrenceLayout<Elem, KP, BV>::STAGES == 2;
 
-template <typename Elem, int KP, int BV, bool ONE_STAGE>
+template <typename Elem, int KP, int BV, bool ONE_STAGE, bool WG>
 void launch_recurrence_staged(const ForwardArgs& a, cudaStream_t stream) {
   if (a.seg_offsets != nullptr) {
-    launch_recurrence_kind<Elem, KP, BV, true, ONE_STAGE>(a, stream);
+    launch_recurrence_kind<Elem, KP, BV, true, ONE_STAGE, WG>(a, stream);
     auto merge = segment_merge_kernel<KP>;
     set_smem(merge, MergeLayout<KP>::bytes());
     const int64_t ctas = int64_t(a.N) * a.HV * ((a.seg_ld - KP + kMergeCols - 1) / kMergeCols);
     merge<<<static_cast<unsigned>(ctas), kMergeThreads, MergeLayout<KP>::bytes(), stream>>>(a);
     check_launch("segment_merge_kernel");
   }
-  launch_recurrence_kind<Elem, KP, BV, false, ONE_STAGE>(a, stream);
+  launch_recurrence_kind<Elem, KP, BV, false, ONE_STAGE, WG>(a, stream);
 }
 
-template <typename Elem, int KP, int BV>
-void launch_recurrence(const ForwardArgs& a, bool one_stage, cudaStream_t stream) {
-  if constexpr (kHasOneStage<Elem, KP, BV>) {
+template <typename Elem, int KP, int BV, bool WG>
+void launch_recurrence_wg(const ForwardArgs& a, bool one_stage, cudaStream_t stream) {
+  if constexpr (kHasOneStage<Elem, KP, BV, WG>) {
     if (one_stage) {
-      launch_recurrence_staged<Elem, KP, BV, true>(a, stream);
+      launch_recurrence_staged<Elem, KP, BV, true, WG>(a, stream);
       return;
     }
   }
-  launch_recurrence_staged<Elem, KP, BV, false>(a, stream);
+  launch_recurrence_staged<Elem, KP, BV, false, WG>(a, stream);
+}
+
+template <typename Elem, int KP, int BV>
+void launch_recurrence(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t stream) {
+  if constexpr (kHasWgmma<Elem, KP, BV>) {
+    if (cfg.wgmma) {
+      launch_recurrence_wg<Elem, KP, BV, true>(a, cfg.one_stage, stream);
+      return;
+    }
+  }
+  launch_recurrence_wg<Elem, KP, BV, false>(a, cfg.one_stage, stream);
 }
 
 // Shared memory per block of prepare_kernel<InT, Elem, C, KP> and of the recurrence for a configuration, as launched
@@ -141,6 +157,12 @@ ForwardSmem forward_smem(const ForwardConfig& cfg) {
       r.recurrence = recurrence_bytes<Elem, KP, BV>();
       if constexpr (kHasOneStage<Elem, KP, BV>) {
         if (cfg.one_stage) r.recurrence = recurrence_bytes<Elem, KP, BV, true>();
+      }
+      if constexpr (kHasWgmma<Elem, KP, BV>) {
+        if (cfg.wgmma) {
+          r.recurrence = cfg.one_stage ? recurrence_bytes<Elem, KP, BV, true, true>()
+                                       : recurrence_bytes<Elem, KP, BV, false, true>();
+        }
       }
     });
   });
@@ -163,7 +185,7 @@ void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t
   with_kp(cfg.KP, [&](auto kp_tag) {
     constexpr int KP = decltype(kp_tag)::value;
     with_bv<Elem, KP>(cfg.BV, [&](auto bv_tag) {
-      launch_recurrence<Elem, KP, decltype(bv_tag)::value>(a, cfg.one_stage, stream);
+      launch_recurrence<Elem, KP, decltype(bv_tag)::value>(a, cfg, stream);
     });
   });
 }
