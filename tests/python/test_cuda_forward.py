@@ -186,6 +186,23 @@ def test_outputs_fully_written_and_pool_slots_untouched():
         assert torch.equal(pool[s], before[s]), f"slot {s} touched"
 
 
+def test_strided_and_misaligned_out():
+    """Caller outputs with odd row strides or a base off 16 bytes take the per-element stores (on Hopper the
+    recurrence otherwise writes whole 16-byte rows): the same bits as a contiguous output, nothing written outside."""
+    x = make(1, 0, 2, 4, 128, cu=[0, 300, 301, 900])
+    o_ref, ht_ref = run(x)
+    shape = (1, 900, 4, 128)
+    wide = torch.full((1, 900, 4, 129), float("nan"), device="cuda", dtype=torch.bfloat16)
+    flat = torch.full((900 * 4 * 128 + 1,), float("nan"), device="cuda", dtype=torch.bfloat16)
+    for name, out in (("contiguous", torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)),
+                      ("odd row stride", wide[..., :128]), ("base off 16 bytes", flat[1:].view(shape))):
+        o, ht = run(x, out=out)
+        assert o is out, name
+        assert torch.equal(out, o_ref) and torch.equal(ht, ht_ref), f"{name}: the output layout changed the result"
+    assert torch.isnan(wide[..., 128]).all() and torch.isnan(flat[0]), "written outside the output"
+    assert rel_rms(o_ref, reference(x)[0]) <= TOL[torch.bfloat16]
+
+
 def test_cuda_graph_capture_and_replay():
     x = make(1, 0, 2, 4, 128, cu=[0, 300, 301, 900])
     cu_cpu = torch.tensor([0, 300, 301, 900])
