@@ -1129,8 +1129,8 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
 // KP <= 128: the state takes KP / 2 registers per thread.
 // WG (Hopper, bf16, chunk 64, BV = 64 or 128): the same products as warpgroup MMAs (wgmma.cuh): each group of four
 // warps (64 value rows) issues them together with its register A fragments, and the workspace tiles, stored in the
-// core-matrix layout, are read from shared memory once per warpgroup instead of once per warp (ldmatrix). The MMAs run
-// asynchronously: the state's decay and the u loads overlap the first products.
+// 128-byte-swizzled layout, are read from shared memory once per warpgroup instead of once per warp (ldmatrix). The
+// MMAs run asynchronously: the state's decay overlaps the first products.
 template <typename Elem, int KP, int BV, bool ONE_STAGE = false, bool WG = false>
 struct VrowsLayout {
   static_assert(!WG || (sizeof(Elem) == 2 && BV % 64 == 0), "warpgroup MMAs: bf16 operands, whole warpgroups");
