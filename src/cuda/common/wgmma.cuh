@@ -27,7 +27,6 @@
 namespace kdakit::cuda {
 
 // Element offset of (r, c) in a swizzled [64][KC] tile.
-template <int KC>
 __device__ __forceinline__ int swizzled_offset(int r, int c) {
   return (c >> 6) * 64 * 64 + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7);
 }

@@ -868,7 +868,7 @@ __device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int
   constexpr int KB = KC / 8, RS = NT / KB;  // 16-byte pieces per row; rows per pass (a multiple of 8: same swizzle)
   static_assert(NT % KB == 0 && RS % 8 == 0 && 64 % RS == 0, "whole 8-row groups per pass");
   const int r = threadIdx.x / KB, c = (threadIdx.x % KB) * 8;
-  Elem* d = dst + swizzled_offset<KC>(r, c);
+  Elem* d = dst + swizzled_offset(r, c);
   const Elem* g = src + r * KC + c;
 #pragma unroll
   for (int i = 0; i < 64 / RS; ++i) {
@@ -878,17 +878,17 @@ __device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int
 
 // Chunk ci's workspace tiles into stage t as one commit group: w; qg (not SCAN) and kg unless ONE_TILE (they take
 // turns in w's buffer later); the tile's BV columns of u (transition tiles have u = 0); Aqk and its lo tile (not
-// SCAN); gamma. TILED: w, qg, kg, Aqk in the swizzled layout of the warpgroup MMAs (chunk 64), else row-major with
-// row strides LDK / LDA.
+// SCAN); gamma. SWIZZLED: w, qg, kg, Aqk in the swizzled layout of the warpgroup MMAs (chunk 64), else row-major
+// with row strides LDK / LDA.
 template <typename Elem, int KP, int BV, int NT, int LDK, int LDB, int LDA, bool SPLIT_A, bool ONE_TILE, bool SCAN,
-          bool TILED = false>
+          bool SWIZZLED = false>
 __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const RecurrenceTile& rt, int64_t ci,
                                             const RecurrenceStage<Elem>& t) {
   constexpr int EPC = 16 / sizeof(Elem);
   const int C = a.chunk, tid = threadIdx.x;
   const int64_t wtile = (rt.base + ci) * a.HV + rt.hv;
   auto tile_of = [&](void* ws) { return static_cast<const Elem*>(ws) + wtile * C * KP; };
-  if constexpr (TILED) {
+  if constexpr (SWIZZLED) {
     copy_ws_swizzled<Elem, KP, NT>(t.w, tile_of(a.ws_w), C);
     if constexpr (!SCAN) copy_ws_swizzled<Elem, KP, NT>(t.q, tile_of(a.ws_qg), C);
     copy_ws_swizzled<Elem, KP, NT>(t.k, tile_of(a.ws_kg), C);
@@ -908,7 +908,7 @@ __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const Recurren
       if (r < C) cp_async16(t.u + r * LDB + c, gu + r * a.VP + c);
     }
   }
-  if constexpr (!SCAN && TILED) {
+  if constexpr (!SCAN && SWIZZLED) {
     copy_ws_swizzled<Elem, 64, NT>(t.a, static_cast<const Elem*>(a.ws_a) + wtile * C * C, C);
     copy_ws_swizzled<Elem, 64, NT>(t.alo, static_cast<const Elem*>(a.ws_alo) + wtile * C * C, C);
   } else if constexpr (!SCAN) {
@@ -1328,33 +1328,35 @@ __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence
         pin(sa[kd][1]);
       }
     }
+    if constexpr (!WG) {
 #pragma unroll
-    for (int kd = 0; kd < (WG ? 0 : KP / 16); ++kd) {
-      FragA sa[2];
-      acc_to_a<true>(S[2 * kd], S[2 * kd + 1], sa);
-      FragB bw[NC / 2][2][SP], bq[NC / 2][2][SP];
-#pragma unroll
-      for (int p = 0; p < NC / 2; ++p) {
-        if (2 * p < NCC) {
-          Op::load_b_nk(bw[p], t.w, L::LDK, 16 * kd, 16 * p);
-          if constexpr (!SCAN) Op::load_b_nk(bq[p], t.q, L::LDK, 16 * kd, 16 * p);
-        }
-      }
-      // In-order issue: every accumulator's lo product, then every hi product, so that no MMA waits for the one
-      // just before it (bf16 operands; float operands take their three MMAs per accumulator in turn).
-#pragma unroll
-      for (int part = 0; part < (sizeof(Elem) == 2 ? 2 : 1); ++part) {
+      for (int kd = 0; kd < KP / 16; ++kd) {
+        FragA sa[2];
+        acc_to_a<true>(S[2 * kd], S[2 * kd + 1], sa);
+        FragB bw[NC / 2][2][SP], bq[NC / 2][2][SP];
 #pragma unroll
         for (int p = 0; p < NC / 2; ++p) {
           if (2 * p < NCC) {
+            Op::load_b_nk(bw[p], t.w, L::LDK, 16 * kd, 16 * p);
+            if constexpr (!SCAN) Op::load_b_nk(bq[p], t.q, L::LDK, 16 * kd, 16 * p);
+          }
+        }
+        // In-order issue: every accumulator's lo product, then every hi product, so that no MMA waits for the one
+        // just before it (bf16 operands; float operands take their three MMAs per accumulator in turn).
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              if constexpr (sizeof(Elem) == 2) {
-                mma_bf16(vn[2 * p + j], sa[1 - part], bw[p][j][0]);
-                if constexpr (!SCAN) mma_bf16(o[2 * p + j], sa[1 - part], bq[p][j][0]);
-              } else {
-                mma_split_a<Elem>(vn[2 * p + j], sa, bw[p][j]);
-                if constexpr (!SCAN) mma_split_a<Elem>(o[2 * p + j], sa, bq[p][j]);
+        for (int part = 0; part < (sizeof(Elem) == 2 ? 2 : 1); ++part) {
+#pragma unroll
+          for (int p = 0; p < NC / 2; ++p) {
+            if (2 * p < NCC) {
+#pragma unroll
+              for (int j = 0; j < 2; ++j) {
+                if constexpr (sizeof(Elem) == 2) {
+                  mma_bf16(vn[2 * p + j], sa[1 - part], bw[p][j][0]);
+                  if constexpr (!SCAN) mma_bf16(o[2 * p + j], sa[1 - part], bq[p][j][0]);
+                } else {
+                  mma_split_a<Elem>(vn[2 * p + j], sa, bw[p][j]);
+                  if constexpr (!SCAN) mma_split_a<Elem>(o[2 * p + j], sa, bq[p][j]);
+                }
               }
             }
           }
@@ -1453,16 +1455,18 @@ __global__ void __launch_bounds__(VrowsLayout<Elem, KP, BV>::THREADS) recurrence
     }
 
     // S^T = S^T diag(gamma) + v_new^T kg (WG: done above).
-    if constexpr (!WG) decay(t);
+    if constexpr (!WG) {
+      decay(t);
 #pragma unroll
-    for (int kt = 0; kt < (WG ? 0 : NC / 2); ++kt) {
-      if (2 * kt < NCC) {
+      for (int kt = 0; kt < NC / 2; ++kt) {
+        if (2 * kt < NCC) {
 #pragma unroll
-        for (int np = 0; np < ND / 2; ++np) {
-          FragB bk[2][SP];
-          Op::load_b_kn(bk, t.k, L::LDK, 16 * kt, 16 * np);
-          Op::mma(S[2 * np], va[kt], bk[0]);
-          Op::mma(S[2 * np + 1], va[kt], bk[1]);
+          for (int np = 0; np < ND / 2; ++np) {
+            FragB bk[2][SP];
+            Op::load_b_kn(bk, t.k, L::LDK, 16 * kt, 16 * np);
+            Op::mma(S[2 * np], va[kt], bk[0]);
+            Op::mma(S[2 * np + 1], va[kt], bk[1]);
+          }
         }
       }
     }
