@@ -698,6 +698,12 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
     passes = one_passes;
     fill_one_args(a, p, pr);
     a.one.passes = passes;
+    // Staged tiles on Hopper: each CTA prefetches into L2 (bulk prefetch) the tile of the CTA one per SM later in
+    // launch order. KDAKIT_DECODE_PREFETCH=<CTAs per SM> sets the distance for tuning, 0 turns it off (the results
+    // do not change).
+    const char* ahead = std::getenv("KDAKIT_DECODE_PREFETCH");
+    const float per_sm = ahead ? std::strtof(ahead, nullptr) : 1.f;
+    a.one.prefetch_ahead = compute_capability(pr.device_index) >= 90 ? static_cast<int>(per_sm * sms + 0.5f) : 0;
   } else if (passes_override) {
     passes = passes_override;
     while (passes > 1 && smem_of(passes) > 49152) passes /= 2;

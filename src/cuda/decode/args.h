@@ -110,6 +110,9 @@ struct DecodeOneArgs {
   int gate_mode = 0;
   float scale = 1.f, lower_bound = -5.f;
   bool l2norm = false, beta_sigmoid = false, neg_eigval = false, beta_cols = false;
+  // Staged form on Hopper: each CTA prefetches into L2 the state tile of the CTA this many places later in launch
+  // order (one per SM: a CTA that starts soon after this one, docs/perf-notes.md); 0: no prefetch.
+  int prefetch_ahead = 0;
 };
 
 struct DecodeArgs {

@@ -454,6 +454,41 @@ __device__ __forceinline__ void load_block_staged(float (&S)[Tile<PoolT, VK, KP>
   }
 }
 
+// L2 prefetch of the state tile that the CTA o.prefetch_ahead places later in launch order will stage (blocks are
+// dispatched in linear order; the host sets one place per SM, so that CTA starts a fraction of a CTA's lifetime
+// later, after about one CTA per SM has ended). Its copies then hit L2, and the state reads in flight are no longer
+// bounded by the shared memory of the resident CTAs (docs/perf-notes.md). Bulk prefetches (sm_90): v-first, the tile is one contiguous
+// block (thread 0); [K,V], one row of the tile's columns per key (thread k). The later CTA's slot is loaded first
+// (LaterTile, beside this CTA's own scalars), the prefetch issued after this CTA's own copies.
+struct LaterTile {
+  int slot = -1;
+  unsigned z = 0, hv = 0;
+  template <bool VK, int KP>
+  __device__ __forceinline__ void locate(const DecodeOneArgs& o) {
+    const unsigned per_z = gridDim.x * gridDim.y;
+    const unsigned target = blockIdx.x + gridDim.x * blockIdx.y + per_z * blockIdx.z + unsigned(o.prefetch_ahead);
+    if (o.prefetch_ahead <= 0 || target >= per_z * gridDim.z || threadIdx.x >= (VK ? 1u : unsigned(KP))) return;
+    z = target / per_z;
+    const unsigned rem = target - z * per_z;
+    hv = rem / gridDim.x;
+    const unsigned n = rem - hv * gridDim.x;
+    slot = o.state_indices != nullptr ? __ldg(o.state_indices + n * o.idx_stride) : static_cast<int>(n);
+  }
+  template <typename PoolT, bool VK, int KP>
+  __device__ __forceinline__ void prefetch(const DecodeOneArgs& o, int tile_cols) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (slot < 0 || slot >= o.initial_slots) return;
+    const PoolT* head = static_cast<const PoolT*>(o.initial) + slot * o.initial_slot_stride + hv * o.initial_head_stride;
+    const PoolT* from = VK ? head + size_t(z) * tile_cols * KP : head + size_t(threadIdx.x) * o.V + size_t(z) * tile_cols;
+    const unsigned bytes = unsigned(tile_cols) * unsigned(sizeof(PoolT)) * (VK ? KP : 1);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(from), "r"(bytes) : "memory");
+#else
+    (void)o;
+    (void)tile_cols;
+#endif
+  }
+};
+
 // Outputs may differ in dtype from the pool (e.g. float32 token states next to a bf16 pool): run-time switch, except
 // for FULL tiles (every state output is in the pool's dtype, vector-aligned).
 template <typename PoolT, typename L, bool VK, bool FULL>
@@ -635,6 +670,8 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   // Token inputs: every load is issued before any is used (the inputs' offsets do not depend on the slot; with
   // cu_seqlens they wait for the sequence's start).
   const int slot1 = sq_.slot1, has = sq_.has, b = sq_.b, t0 = sq_.t0, len = sq_.len;
+  LaterTile later;
+  if constexpr (STAGED) later.locate<VK, KP>(o);
   if (len > 1) return false;
   KDAKIT_STAMP(1);
   const bool tok = len == 1;
@@ -715,6 +752,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
         cp_async_commit();
       }
     }
+    later.prefetch<PoolT, VK, KP>(o, passes * bv);
   } else if (rslot >= 0) {
     load_block<PoolT, VK, KP>(S, src, place(0), true);
   } else {
