@@ -1,0 +1,61 @@
+"""Order effects in the decode benchmark's timing: for each row, kdakit and FLA timed under the benchmark's protocol
+(`flush.zero_()` before each call, CUDA events around it, medians) in three orders within one process: FLA's runs
+then kdakit's (the benchmark's order), kdakit's then FLA's, and the two alternating call by call. A ratio that moves
+with the order is measurement drift, not the kernels.
+
+    python3 tools/gpu/decode_order.py [--reps 50] ["decode T1 N1 H16 fp32" ...]   (default: the T1 N1 rows)
+"""
+import argparse
+import statistics
+
+import torch
+
+from kdakit import bench
+
+
+def span_ms(fn, flush):
+    flush.zero_()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("rows", nargs="*")
+    args = ap.parse_args()
+    rows = args.rows or [n for n, *_ in bench.decode_shapes() if n.startswith("decode T1 N1 ")]
+    flush, fla = bench.flush_buffer(), bench.fla_decode_runner()
+    if fla is None:
+        raise SystemExit("FLA is needed")
+    print(f"{'row':28s} {'order':12s} {'kdakit us':>9s} {'FLA us':>8s} {'ratio':>6s}")
+    torch.manual_seed(0)
+    for name, N, T, H, HV, pool_dtype in bench.decode_shapes():
+        if name not in rows:
+            continue
+        x, _ = bench.decode_inputs(N, T, H, HV, pool_dtype)
+        ours, theirs = (lambda: bench.run_kdakit_decode(x)), (lambda: fla(x))
+        with torch.inference_mode():
+            ours(), theirs()
+            torch.cuda.synchronize()
+            for order in ("FLA first", "kdakit first", "alternating"):
+                t = {"k": [], "f": []}
+                if order == "alternating":
+                    for _ in range(args.reps):
+                        t["k"].append(span_ms(ours, flush))
+                        t["f"].append(span_ms(theirs, flush))
+                else:
+                    seq = ("f", "k") if order == "FLA first" else ("k", "f")
+                    for key in seq:
+                        fn = ours if key == "k" else theirs
+                        t[key] = [span_ms(fn, flush) for _ in range(args.reps)]
+                k, f = statistics.median(t["k"]) * 1e3, statistics.median(t["f"]) * 1e3
+                print(f"{name:28s} {order:12s} {k:9.2f} {f:8.2f} {k / f:6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
