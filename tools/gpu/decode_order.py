@@ -32,7 +32,7 @@ def main():
     flush, fla = bench.flush_buffer(), bench.fla_decode_runner()
     if fla is None:
         raise SystemExit("FLA is needed")
-    print(f"{'row':28s} {'order':12s} {'kdakit us':>9s} {'FLA us':>8s} {'ratio':>6s}")
+    print(f"{'row':28s} {'order':12s} {'kdakit us':>9s} {'FLA us':>8s} {'ratio':>6s}   kdakit / FLA p10 p90")
     torch.manual_seed(0)
     for name, N, T, H, HV, pool_dtype in bench.decode_shapes():
         if name not in rows:
@@ -54,7 +54,10 @@ def main():
                         fn = ours if key == "k" else theirs
                         t[key] = [span_ms(fn, flush) for _ in range(args.reps)]
                 k, f = statistics.median(t["k"]) * 1e3, statistics.median(t["f"]) * 1e3
-                print(f"{name:28s} {order:12s} {k:9.2f} {f:8.2f} {k / f:6.2f}", flush=True)
+                q = lambda v: statistics.quantiles([x * 1e3 for x in v], n=10)  # deciles
+                qk, qf = q(t["k"]), q(t["f"])
+                print(f"{name:28s} {order:12s} {k:9.2f} {f:8.2f} {k / f:6.2f}   {qk[0]:.2f} {qk[-1]:.2f} / "
+                      f"{qf[0]:.2f} {qf[-1]:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ src/cuda/decode/kernels.cuh), e.g. on the GPU machine:
     PYTHONPATH=/tmp/kdk-stamps:$PYTHONPATH python3 tools/gpu/decode_stamps.py "decode T1 N1 H16 fp32" > stamps.log
     python3 tools/gpu/decode_stamps.py --parse stamps.log
 
-Each row runs three times: warm (inputs in L2), after an L2 flush (as the benchmark times it), warm again. The
-table gives, per call, the median over the printed CTAs of each phase's end (microseconds after the CTA started)
-and the spread of the CTAs' start times and the span from the first start to the last end.
+Each row runs three times: warm (inputs in L2), after an L2 flush (as the benchmark times it), warm again
+(`--flushed N` first: N flushed calls in the middle, to see how a row's flushed calls vary). The table gives, per
+call, the SM clock (cycles per ns over each CTA's own span), the median over the printed CTAs of each phase's end
+(microseconds after the CTA started), the spread of the CTAs' start times and the span from the first start to the
+last end.
 """
 import statistics
 import sys
@@ -22,7 +24,7 @@ PHASES_ONE = ["scalars issued", "inputs issued", "state issued", "inputs landed"
               "math done", "stored", "end"]
 
 
-def run(names):
+def run(names, flushed=1):
     import torch
 
     from kdakit import bench
@@ -32,7 +34,7 @@ def run(names):
         if not any(s == name for s in names):
             continue
         x, _ = bench.decode_inputs(N, T, H, HV, pool_dtype)
-        for label in ("warm", "flushed", "warm"):
+        for label in ["warm"] + ["flushed"] * flushed + ["warm"]:
             if label == "flushed":
                 flush.zero_()
             torch.cuda.synchronize()
@@ -61,8 +63,8 @@ def parse(path):
         names = PHASES_ONE if b[0][4] == 0 else PHASES
         if names is not header:
             header = names
-            print(f"| row | call | CTAs | tile | start spread | span | " + " | ".join(names) + " |")
-            print("|---" * (6 + len(names)) + "|")
+            print(f"| row | call | CTAs | tile | GHz | start spread | span | " + " | ".join(names) + " |")
+            print("|---" * (7 + len(names)) + "|")
         start = min(x[0] for x in b)
         # cycles -> ns from each block's own span (its clock over its globaltimer interval)
         rate = statistics.median(x[2][-1] / max(1, x[1] - x[0]) for x in b)  # cycles per ns
@@ -70,7 +72,7 @@ def parse(path):
         spread = (max(x[0] for x in b) - start) / 1e3
         span = (max(x[1] for x in b) - start) / 1e3
         tile = f"{b[0][3]}w x {b[0][4]}p" if b[0][4] else f"{b[0][3]}w, one token"
-        print(f"| {c['name']} | {len(b)} | {tile} | {spread:.2f} | {span:.2f} | "
+        print(f"| {c['name']} | {len(b)} | {tile} | {rate:.2f} | {spread:.2f} | {span:.2f} | "
               + " | ".join(f"{v:.2f}" for v in ph) + " |")
     print("(CTAs: the printed ones, every 16th; times in us; clock rate from each CTA's own span)")
 
@@ -78,5 +80,7 @@ def parse(path):
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--parse":
         parse(sys.argv[2])
+    elif len(sys.argv) > 2 and sys.argv[1] == "--flushed":
+        run(sys.argv[3:], int(sys.argv[2]))
     else:
         run(sys.argv[1:])
