@@ -457,29 +457,34 @@ __device__ __forceinline__ void load_block_staged(float (&S)[Tile<PoolT, VK, KP>
 // L2 prefetch of the state tile that the CTA o.prefetch_ahead places later in launch order will stage (blocks are
 // dispatched in linear order; the host sets one place per SM, so that CTA starts a fraction of a CTA's lifetime
 // later, after about one CTA per SM has ended). Its copies then hit L2, and the state reads in flight are no longer
-// bounded by the shared memory of the resident CTAs (docs/perf-notes.md). Bulk prefetches (sm_90): v-first, the tile is one contiguous
-// block (thread 0); [K,V], one row of the tile's columns per key (thread k). The later CTA's slot is loaded first
-// (LaterTile, beside this CTA's own scalars), the prefetch issued after this CTA's own copies.
+// bounded by the shared memory of the resident CTAs (docs/perf-notes.md). Bulk prefetches (sm_90): v-first, the tile
+// is one contiguous block (thread 0); [K,V], one row of the tile's columns per key (thread k). The later CTA's slot is
+// loaded first (`locate`, beside this CTA's own scalars), the prefetch issued after this CTA's own copies.
 struct LaterTile {
   int slot = -1;
   unsigned z = 0, hv = 0;
   template <bool VK, int KP>
   __device__ __forceinline__ void locate(const DecodeOneArgs& o) {
-    const unsigned per_z = gridDim.x * gridDim.y;
-    const unsigned target = blockIdx.x + gridDim.x * blockIdx.y + per_z * blockIdx.z + unsigned(o.prefetch_ahead);
-    if (o.prefetch_ahead <= 0 || target >= per_z * gridDim.z || threadIdx.x >= (VK ? 1u : unsigned(KP))) return;
-    z = target / per_z;
-    const unsigned rem = target - z * per_z;
-    hv = rem / gridDim.x;
-    const unsigned n = rem - hv * gridDim.x;
-    slot = o.state_indices != nullptr ? __ldg(o.state_indices + n * o.idx_stride) : static_cast<int>(n);
+    if (o.prefetch_ahead <= 0 || threadIdx.x >= (VK ? 1u : unsigned(KP))) return;
+    // 64-bit: N * HV * vtiles may pass 2^32.
+    const uint64_t per_z = uint64_t(gridDim.x) * gridDim.y;
+    const uint64_t target =
+        blockIdx.x + uint64_t(gridDim.x) * blockIdx.y + per_z * blockIdx.z + uint64_t(o.prefetch_ahead);
+    if (target >= per_z * gridDim.z) return;
+    z = static_cast<unsigned>(target / per_z);
+    const uint64_t rem = target - uint64_t(z) * per_z;
+    hv = static_cast<unsigned>(rem / gridDim.x);
+    const int n = static_cast<int>(rem - uint64_t(hv) * gridDim.x);
+    slot = o.state_indices != nullptr ? __ldg(o.state_indices + n * o.idx_stride) : n;
   }
   template <typename PoolT, bool VK, int KP>
   __device__ __forceinline__ void prefetch(const DecodeOneArgs& o, int tile_cols) const {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (slot < 0 || slot >= o.initial_slots) return;
-    const PoolT* head = static_cast<const PoolT*>(o.initial) + slot * o.initial_slot_stride + hv * o.initial_head_stride;
-    const PoolT* from = VK ? head + size_t(z) * tile_cols * KP : head + size_t(threadIdx.x) * o.V + size_t(z) * tile_cols;
+    const PoolT* head =
+        static_cast<const PoolT*>(o.initial) + slot * o.initial_slot_stride + hv * o.initial_head_stride;
+    const PoolT* from =
+        VK ? head + size_t(z) * tile_cols * KP : head + size_t(threadIdx.x) * o.V + size_t(z) * tile_cols;
     const unsigned bytes = unsigned(tile_cols) * unsigned(sizeof(PoolT)) * (VK ? KP : 1);
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(from), "r"(bytes) : "memory");
 #else
