@@ -1,7 +1,9 @@
 """Order effects in the decode benchmark's timing: for each row, kdakit and FLA timed under the benchmark's protocol
 (`flush.zero_()` before each call, CUDA events around it, medians) in three orders within one process: FLA's runs
 then kdakit's (the benchmark's order), kdakit's then FLA's, and the two alternating call by call. A ratio that moves
-with the order is measurement drift, not the kernels.
+with the order is measurement drift, not the kernels. Two more orders alternate each library with a call on a
+second set of inputs of the same shape (kdakit's with kdakit's, kdakit's with FLA's): they tell an effect of the
+previous call's kernel from one of its data.
 
     python3 tools/gpu/decode_order.py [--reps 50] ["decode T1 N1 H16 fp32" ...]   (default: the T1 N1 rows)
 """
@@ -32,19 +34,30 @@ def main():
     flush, fla = bench.flush_buffer(), bench.fla_decode_runner()
     if fla is None:
         raise SystemExit("FLA is needed")
-    print(f"{'row':28s} {'order':12s} {'kdakit us':>9s} {'FLA us':>8s} {'ratio':>6s}   kdakit / FLA p10 p90")
+    print(f"{'row':28s} {'order':13s} {'kdakit us':>9s} {'FLA us':>8s} {'ratio':>6s}   kdakit / FLA p10 p90")
     torch.manual_seed(0)
     for name, N, T, H, HV, pool_dtype in bench.decode_shapes():
         if name not in rows:
             continue
         x, _ = bench.decode_inputs(N, T, H, HV, pool_dtype)
+        x2, _ = bench.decode_inputs(N, T, H, HV, pool_dtype)
         ours, theirs = (lambda: bench.run_kdakit_decode(x)), (lambda: fla(x))
+        ours2, theirs2 = (lambda: bench.run_kdakit_decode(x2)), (lambda: fla(x2))
         with torch.inference_mode():
-            ours(), theirs()
+            ours(), theirs(), ours2(), theirs2()
             torch.cuda.synchronize()
-            for order in ("FLA first", "kdakit first", "alternating"):
+            for order in ("FLA first", "kdakit first", "alternating", "alt k/k2 f/f2", "alt k/f2 f/k2"):
                 t = {"k": [], "f": []}
-                if order == "alternating":
+                if order.startswith("alt "):
+                    # kdakit's call after one on the other inputs (kdakit's own, or FLA's), and FLA's likewise
+                    before_k, before_f = (ours2, theirs2) if order == "alt k/k2 f/f2" else (theirs2, ours2)
+                    for _ in range(args.reps):
+                        span_ms(before_k, flush)
+                        t["k"].append(span_ms(ours, flush))
+                    for _ in range(args.reps):
+                        span_ms(before_f, flush)
+                        t["f"].append(span_ms(theirs, flush))
+                elif order == "alternating":
                     for _ in range(args.reps):
                         t["k"].append(span_ms(ours, flush))
                         t["f"].append(span_ms(theirs, flush))
@@ -56,7 +69,7 @@ def main():
                 k, f = statistics.median(t["k"]) * 1e3, statistics.median(t["f"]) * 1e3
                 q = lambda v: statistics.quantiles([x * 1e3 for x in v], n=10)  # deciles
                 qk, qf = q(t["k"]), q(t["f"])
-                print(f"{name:28s} {order:12s} {k:9.2f} {f:8.2f} {k / f:6.2f}   {qk[0]:.2f} {qk[-1]:.2f} / "
+                print(f"{name:28s} {order:13s} {k:9.2f} {f:8.2f} {k / f:6.2f}   {qk[0]:.2f} {qk[-1]:.2f} / "
                       f"{qf[0]:.2f} {qf[-1]:.2f}", flush=True)
 
 
