@@ -626,6 +626,36 @@ def test_one_token_staged(seed, monkeypatch, fixed, v_first, pool_dtype):
 
 
 @pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_prefetch_distance_does_not_change_results(seed, monkeypatch, v_first, pool_dtype):
+    """The staged one-token kernel's L2 prefetch of later CTAs' tiles (Hopper; KDAKIT_DECODE_PREFETCH CTAs per SM
+    ahead, 0 off): off, the default, a distance past the end of the grid and a fractional one give the same bits,
+    with -1 slots, out-of-range slots and has_initial_state False among the prefetch targets."""
+    N, H, HV = 96, 2, 8
+    x = make([1] * N, H, HV, 128, dtype=torch.bfloat16, fixed=True)
+    P = 2 * N
+    idx = torch.randperm(P, device=DEV)[:N].to(torch.int32)
+    idx[::5] = -1
+    idx[3::11] = P + 7  # outside the pool: neither read nor written, nor prefetched
+    has = torch.rand(N, device=DEV) > 0.2
+    pool = make_pool(P, HV, 128, 128, pool_dtype, v_first, idx[(idx >= 0) & (idx < P)])
+    results = {}
+    for ahead in ("0", None, "1000", "0.5"):
+        if ahead is None:
+            monkeypatch.delenv("KDAKIT_DECODE_PREFETCH", raising=False)
+        else:
+            monkeypatch.setenv("KDAKIT_DECODE_PREFETCH", ahead)
+        o, out, p = call_on_copy(x, pool, state_v_first=v_first, ssm_state_indices=idx, has_initial_state=has)
+        assert torch.isfinite(out).all()
+        results[ahead] = (out, p)
+    base_out, base_pool = results["0"]
+    for ahead, (out, p) in results.items():
+        assert same_bits(out, base_out) and same_bits(p, base_pool), f"KDAKIT_DECODE_PREFETCH={ahead} changed results"
+    untouched = torch.ones(P, dtype=torch.bool, device=DEV)
+    untouched[idx[(idx >= 0) & (idx < P)].long()] = False
+    assert same_bits(base_pool[untouched], pool[untouched])
+
+@pytest.mark.parametrize("v_first", [False, True])
 def test_index_dtypes_agree(seed, v_first):
     """int32 slot ids and cu_seqlens take the one-token form, int64 ones the general form: the same bits either way."""
     N, HV = 9, 4
