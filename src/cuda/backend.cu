@@ -510,51 +510,50 @@ int decode_passes_override() {
 }
 
 // 32-bit strides (the host checked that every element's offset fits); a size-1 dimension never moves the pointer.
-OneRows one_rows(const TensorView& t) {
+// A row is a token with cu_seqlens (one batch row) and a batch row otherwise (at most one token).
+OneRows one_rows(const TensorView& t, bool varlen) {
   auto stride = [&](int i) { return t.shape[i] > 1 ? static_cast<int>(t.strides[i]) : 0; };
-  return OneRows{t.data, stride(0), stride(1), stride(2)};
+  return OneRows{t.data, stride(varlen ? 1 : 0), stride(2)};
 }
 
 // The one-token form's packed arguments (DecodeOneArgs), from the general ones and the call.
 void fill_one_args(DecodeArgs& a, const DecodeParams& p, const Problem& pr) {
   DecodeOneArgs& o = a.one;
-  o.q = one_rows(p.in.q);
-  o.k = one_rows(p.in.k);
-  o.g = one_rows(p.in.g);
-  o.v = one_rows(p.in.v);
-  o.beta = one_rows(p.in.beta);
-  o.out = one_rows(p.out);
+  const bool varlen = a.cu_seqlens.p != nullptr;
+  o.q = one_rows(p.in.q, varlen);
+  o.k = one_rows(p.in.k, varlen);
+  o.g = one_rows(p.in.g, varlen);
+  o.v = one_rows(p.in.v, varlen);
+  o.beta = one_rows(p.in.beta, varlen);
+  o.out = one_rows(p.out, varlen);
   o.A_log = static_cast<const float*>(p.in.gate.A_log.data);
   o.dt_bias = static_cast<const float*>(p.in.gate.dt_bias.data);
   o.state_indices = static_cast<const int*>(a.state_indices.p);
-  o.idx_stride = static_cast<int>(a.idx_s0);
+  o.idx_stride = static_cast<uint16_t>(a.idx_s0);
   o.cu_seqlens = static_cast<const int*>(a.cu_seqlens.p);
-  o.cu_stride = static_cast<int>(a.cu_stride);
+  o.cu_stride = static_cast<uint16_t>(a.cu_stride);
   o.initial = a.initial.p;
-  o.initial_slot_stride = a.initial.slot_stride;
-  o.initial_head_stride = a.initial.head_stride;
-  o.initial_slots = a.initial.slots;
+  o.initial_slot_stride = static_cast<int>(a.initial.slot_stride);
+  o.initial_slots = static_cast<int>(a.initial.slots);
   o.final_state = a.final_state.p;
-  o.final_slot_stride = a.final_state.slot_stride;
-  o.final_head_stride = a.final_state.head_stride;
-  o.final_slots = a.final_state.slots;
+  o.final_slot_stride = static_cast<int>(a.final_state.slot_stride);
+  o.final_slots = static_cast<int>(a.final_state.slots);
   o.has_initial_state = a.has_initial_state.p;
-  o.has_dtype = a.has_initial_state.dtype;
-  o.has_stride = static_cast<int>(a.has_stride);
-  o.T = a.T;
-  o.V = a.V;
-  o.group = a.group;
-  for (int sh = 0; sh < 31; ++sh) {
-    if ((int64_t(1) << sh) == pr.group) o.group_shift = sh;
+  o.has_stride = static_cast<uint16_t>(a.has_stride);
+  o.V = static_cast<uint16_t>(a.V);
+  o.group = static_cast<uint16_t>(a.group);
+  for (int sh = 0; sh < 16; ++sh) {
+    if ((int64_t(1) << sh) == pr.group) o.group_shift = static_cast<int8_t>(sh);
   }
-  o.in_dtype = p.in.q.dtype;
-  o.gate_mode = a.gate_mode;
+  const int has_dtype = a.has_initial_state.p != nullptr ? static_cast<int>(a.has_initial_state.dtype) : 0;
+  o.dtypes = static_cast<uint8_t>(static_cast<int>(p.in.q.dtype) | has_dtype << 4);
   o.scale = a.scale;
   o.lower_bound = a.lower_bound;
-  o.l2norm = a.l2norm;
-  o.beta_sigmoid = a.beta_sigmoid;
-  o.neg_eigval = a.neg_eigval;
-  o.beta_cols = a.beta_cols;
+  o.flags = static_cast<uint8_t>(a.gate_mode | (a.l2norm ? DecodeOneArgs::kL2Norm : 0) |
+                                 (a.beta_sigmoid ? DecodeOneArgs::kBetaSigmoid : 0) |
+                                 (a.neg_eigval ? DecodeOneArgs::kNegEigval : 0) |
+                                 (a.beta_cols ? DecodeOneArgs::kBetaCols : 0) |
+                                 (!varlen && a.T == 1 ? DecodeOneArgs::kOneToken : 0));
 }
 
 }  // namespace
@@ -668,7 +667,7 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
                            (p.in.gate.dt_bias.dtype == DType::kFloat32 && aligned16(p.in.gate.dt_bias)));
   const bool one_offsets = offsets32(p.in.q) && offsets32(p.in.k) && offsets32(p.in.v) && offsets32(p.in.g) &&
                            offsets32(p.in.beta) && offsets32(p.out) &&
-                           pr.N * std::max<int64_t>(a.idx_s0, a.cu_stride) < (int64_t(1) << 31) - 16;
+                           pr.N * std::max({a.idx_s0, a.cu_stride, a.has_stride}) < (int64_t(1) << 31) - 16;
   // The one-token form's CTA tile: several passes (the state staged in shared memory, up to a 32 KB tile per CTA: more
   // bytes in flight than registers hold) where the grid keeps at least two CTAs per SM; one pass (the state straight
   // to registers, the shortest chain) below that. H200 sweep, docs/perf-notes.md: T1 N32 H16 bf16 11.5 / 9.4 / 8.5 us
@@ -690,8 +689,17 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
     one_passes = passes_override;
     while (one_passes > 1 && !one_tile_fits(one_passes)) one_passes /= 2;
   }
+  // DecodeOneArgs' packing: 16-bit strides of the per-sequence scalars, 32-bit slot strides and counts, and each
+  // state's head blocks dense (a slot's heads one after another, as engines' pools have them; a slot may be padded).
+  const auto u16 = [](int64_t v) { return v >= 0 && v <= 0xffff; };
+  const auto packs = [&](const DecodeState& o) {
+    return !o.present() || (o.slot_stride >= 0 && o.slot_stride < (int64_t(1) << 31) && o.slots < (int64_t(1) << 31) &&
+                            (pr.HV <= 1 || o.head_stride == pr.K * pr.V));
+  };
+  const bool one_packs = u16(a.idx_s0) && u16(a.cu_stride) && u16(a.has_stride) && u16(pr.V) && u16(pr.group) &&
+                         packs(a.initial) && packs(a.final_state);
   cfg.one = at_most_one && cfg.KP <= 128 && pr.K == cfg.KP && pr.V % (int64_t(bv) * one_passes) == 0 && a.q.vec &&
-            a.k.vec && a.g.vec && one_dtypes && one_offsets && same_as_pool(a.initial) &&
+            a.k.vec && a.g.vec && one_dtypes && one_offsets && one_packs && same_as_pool(a.initial) &&
             same_as_pool(a.final_state) && !a.token_states.present() && !a.idx_2d &&
             !force_general;
   if (cfg.one) {
@@ -703,7 +711,8 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
     // do not change).
     const char* ahead = std::getenv("KDAKIT_DECODE_PREFETCH");
     const float per_sm = ahead ? std::strtof(ahead, nullptr) : 1.f;
-    a.one.prefetch_ahead = compute_capability(pr.device_index) >= 90 ? static_cast<int>(per_sm * sms + 0.5f) : 0;
+    const int ahead_ctas = compute_capability(pr.device_index) >= 90 ? static_cast<int>(per_sm * sms + 0.5f) : 0;
+    a.one.prefetch_ahead = static_cast<uint16_t>(std::clamp(ahead_ctas, 0, 0xffff));
   } else if (passes_override) {
     passes = passes_override;
     while (passes > 1 && smem_of(passes) > 49152) passes /= 2;

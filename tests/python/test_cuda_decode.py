@@ -656,6 +656,41 @@ def test_prefetch_distance_does_not_change_results(seed, monkeypatch, v_first, p
     assert same_bits(base_pool[untouched], pool[untouched])
 
 @pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_one_token_pool_and_index_layouts(seed, v_first, pool_dtype):
+    """One token per sequence against a pool and slot ids laid out as engines may hold them: slots padded (a slot's
+    heads followed by other data: the one-token form), heads not adjacent (every other head of a wider buffer: the
+    general form, as the one-token form's packed arguments take dense heads only) and slot ids a strided column.
+    Each gives the bits of the call on the dense pool, and the buffer's bytes outside the viewed pool stay as they
+    were."""
+    N, H, HV, K = 6, 2, 4, 128
+    x = make([1] * N, H, HV, K, fixed=True)
+    P = 2 * N
+    idx = torch.randperm(P, device=DEV)[:N].to(torch.int32)
+    idx[2] = -1
+    pool = make_pool(P, HV, K, K, pool_dtype, v_first, idx[idx >= 0])
+    base_o, _, base_p = call_on_copy(x, pool, state_v_first=v_first, ssm_state_indices=idx)
+    assert torch.isfinite(base_o).all()
+    for name, heads, step in (("padded slots", HV + 1, 1), ("every other head", 2 * HV, 2)):
+        buf = torch.randn((P, heads) + tuple(pool.shape[2:]), device=DEV).to(pool_dtype)
+        view = buf[:, :HV * step:step]
+        view.copy_(pool)
+        before = buf.clone()
+        out = torch.full_like(x["v"], float("nan"))
+        o, _ = call(x, view, out=out, state_v_first=v_first, ssm_state_indices=idx)
+        torch.cuda.synchronize()
+        assert same_bits(o, base_o), f"{name}: the output differs from the dense pool's"
+        assert same_bits(view, base_p), f"{name}: the state differs from the dense pool's"
+        inside = torch.zeros(buf.shape[:2], dtype=torch.bool, device=DEV)
+        inside[:, :HV * step:step] = True
+        assert same_bits(buf[~inside], before[~inside]), f"{name}: bytes outside the pool changed"
+    wide = torch.full((N, 3), -1, dtype=torch.int32, device=DEV)
+    wide[:, 1] = idx
+    o, _, p = call_on_copy(x, pool, state_v_first=v_first, ssm_state_indices=wide[:, 1])
+    assert same_bits(o, base_o) and same_bits(p, base_p), "strided slot ids differ from contiguous ones"
+
+
+@pytest.mark.parametrize("v_first", [False, True])
 def test_index_dtypes_agree(seed, v_first):
     """int32 slot ids and cu_seqlens take the one-token form, int64 ones the general form: the same bits either way."""
     N, HV = 9, 4

@@ -80,40 +80,60 @@ struct DecodeSmem {
   }
 };
 
-// A token tensor's rows for the one-token form: element offsets in 32 bits (the host checked they fit).
+// A token tensor's rows for the one-token form: the element offset of (row, head) is row * rs + head * sh, where a
+// row is a batch row (fixed length: at most one token) or a token (cu_seqlens: one batch row). 32 bits: the host
+// checked that every element's offset fits.
 struct OneRows {
   void* p = nullptr;
-  int sb = 0, st = 0, sh = 0;
-  __device__ __forceinline__ int offset(int b, int t, int h) const { return b * sb + t * st + h * sh; }
+  int rs = 0, sh = 0;
+  __device__ __forceinline__ int offset(int row, int h) const { return row * rs + h * sh; }
 };
 
-// Everything the one-token form reads, packed (DecodeArgs::one, the first member of the kernel's argument block).
-// A kernel's parameters are read through the constant cache, and every line the first reads touch is a miss on
-// the chain of a short kernel: this block spans 5 of its lines instead of the whole argument block's 11 (ncu,
-// T1 N1 H16 fp32: imc_miss stalls ~1.5 per issued instruction before). Filled only where DecodeConfig::one holds.
+// Everything the one-token form reads, packed into at most 192 bytes (DecodeArgs::one, the first member of the
+// general kernel's argument block, and the whole argument block of decode_one_kernel).
+// - Few constant-cache lines: a kernel's parameters are read through the constant cache, and every line the first
+//   reads touch is a miss on the chain of a short kernel (ncu, T1 N1 H16 fp32: imc_miss stalls ~1.5 per issued
+//   instruction with the 11 lines of the general block; 5 with the first packed form of 304 bytes).
+// - At most 192 bytes: launches with larger argument blocks (224 bytes and up) sometimes take 0.4-1.1 us longer from
+//   the event before to the event after, depending on where they fall in the command stream; blocks of up to 192
+//   bytes never did (tools/gpu/launch_args.py, docs/perf-notes.md).
+// Hence 32-bit strides, 16-bit small strides and counts, a state head's block dense (KP * V elements) and the
+// small fields in bits; the host takes the general form where a call does not fit (DecodeConfig::one).
 struct DecodeOneArgs {
   OneRows q, k, g, v, beta, out;                     // q, k: head h = hv >> group_shift (or hv / group)
   const float* A_log = nullptr;                      // [HV] float32, or absent
   const float* dt_bias = nullptr;                    // [HV * K] float32 (16-byte aligned), or absent
   const int* state_indices = nullptr;                // [N] int32, or absent (slot n)
-  const int* cu_seqlens = nullptr;                   // [N + 1] int32, or absent (fixed length T)
+  const int* cu_seqlens = nullptr;                   // [N + 1] int32, or absent (fixed length: at most one token)
   const void* initial = nullptr;                     // pool dtype, or absent
   void* final_state = nullptr;
-  int64_t initial_slot_stride = 0, initial_head_stride = 0, final_slot_stride = 0, final_head_stride = 0;
-  int64_t initial_slots = 0, final_slots = 0;
   const void* has_initial_state = nullptr;           // [N] any integer/bool dtype (rare: read through DynPtr)
-  DType has_dtype = DType::kBool;
-  int has_stride = 0, idx_stride = 0, cu_stride = 0;
-  int T = 0, V = 0, group = 1, group_shift = -1;
-  int passes = 1;  // column groups per CTA tile; > 1: the state is staged in shared memory (cp.async)
-  DType in_dtype = DType::kBFloat16;                  // q, k, g, v, beta and out
-  int gate_mode = 0;
+  int initial_slot_stride = 0, final_slot_stride = 0;  // elements; head hv's block starts hv * KP * V further
+  int initial_slots = 0, final_slots = 0;
   float scale = 1.f, lower_bound = -5.f;
-  bool l2norm = false, beta_sigmoid = false, neg_eigval = false, beta_cols = false;
+  uint16_t idx_stride = 0, cu_stride = 0, has_stride = 0;
+  uint16_t group = 1;
+  uint16_t V = 0;
   // Staged form on Hopper: each CTA prefetches into L2 the state tile of the CTA this many places later in launch
   // order (one per SM: a CTA that starts soon after this one, docs/perf-notes.md); 0: no prefetch.
-  int prefetch_ahead = 0;
+  uint16_t prefetch_ahead = 0;
+  int8_t group_shift = -1;
+  uint8_t passes = 1;  // column groups per CTA tile; > 1: the state is staged in shared memory (cp.async)
+  uint8_t dtypes = 0;  // q, k, g, v, beta and out (bits 0-3), has_initial_state (bits 4-7): DType values
+  uint8_t flags = 0;   // gate mode (bits 0-1) and the kFlag bits below
+
+  static constexpr uint8_t kL2Norm = 4, kBetaSigmoid = 8, kNegEigval = 16, kBetaCols = 32;
+  static constexpr uint8_t kOneToken = 64;  // fixed length T = 1 (else 0; with cu_seqlens: unused)
+  __host__ __device__ DType in_dtype() const { return static_cast<DType>(dtypes & 15); }
+  __host__ __device__ DType has_dtype() const { return static_cast<DType>(dtypes >> 4); }
+  __host__ __device__ int gate_mode() const { return flags & 3; }
+  __host__ __device__ bool l2norm() const { return (flags & kL2Norm) != 0; }
+  __host__ __device__ bool beta_sigmoid() const { return (flags & kBetaSigmoid) != 0; }
+  __host__ __device__ bool neg_eigval() const { return (flags & kNegEigval) != 0; }
+  __host__ __device__ bool beta_cols() const { return (flags & kBetaCols) != 0; }
+  __host__ __device__ int T() const { return (flags & kOneToken) != 0 ? 1 : 0; }
 };
+static_assert(sizeof(DecodeOneArgs) <= 192, "DecodeOneArgs: at most 192 bytes (see above)");
 
 struct DecodeArgs {
   DecodeOneArgs one;  // first: see DecodeOneArgs

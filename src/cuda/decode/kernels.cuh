@@ -475,14 +475,14 @@ struct LaterTile {
     const uint64_t rem = target - uint64_t(z) * per_z;
     hv = static_cast<unsigned>(rem / gridDim.x);
     const int n = static_cast<int>(rem - uint64_t(hv) * gridDim.x);
-    slot = o.state_indices != nullptr ? __ldg(o.state_indices + n * o.idx_stride) : n;
+    slot = o.state_indices != nullptr ? __ldg(o.state_indices + n * int(o.idx_stride)) : n;
   }
   template <typename PoolT, bool VK, int KP>
   __device__ __forceinline__ void prefetch(const DecodeOneArgs& o, int tile_cols) const {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (slot < 0 || slot >= o.initial_slots) return;
-    const PoolT* head =
-        static_cast<const PoolT*>(o.initial) + slot * o.initial_slot_stride + hv * o.initial_head_stride;
+    const PoolT* head = static_cast<const PoolT*>(o.initial) + int64_t(slot) * o.initial_slot_stride +
+                        size_t(hv) * KP * o.V;
     const PoolT* from =
         VK ? head + size_t(z) * tile_cols * KP : head + size_t(threadIdx.x) * o.V + size_t(z) * tile_cols;
     const unsigned bytes = unsigned(tile_cols) * unsigned(sizeof(PoolT)) * (VK ? KP : 1);
@@ -634,23 +634,23 @@ __device__ __forceinline__ void load_run(const In* p, float* x) {
 // instructions it runs (docs/perf-notes.md), and run-time dtype switches per load multiply them.
 // A sequence's scalars for the one-token form, loaded before anything waits (int32 slot ids and cu_seqlens: the
 // host checked). The slot's load starts the chain slot -> state -> token math, so it is the kernel's first load.
+// row: the token tensors' row of its token (OneRows): the token with cu_seqlens, the batch row n otherwise.
 struct OneTokenSeq {
-  int slot1, has, b, t0, len;
+  int slot1, has, row, len;
   __device__ __forceinline__ explicit OneTokenSeq(const DecodeOneArgs& o) {
     const int n = static_cast<int>(blockIdx.x);
-    slot1 = o.state_indices != nullptr ? __ldg(o.state_indices + n * o.idx_stride) : n;
+    slot1 = o.state_indices != nullptr ? __ldg(o.state_indices + n * int(o.idx_stride)) : n;
     has = 1;
     if (o.has_initial_state != nullptr) {
-      has = static_cast<int>(DynPtr{const_cast<void*>(o.has_initial_state), o.has_dtype}.load_int(n * o.has_stride));
+      has = static_cast<int>(
+          DynPtr{const_cast<void*>(o.has_initial_state), o.has_dtype()}.load_int(n * int(o.has_stride)));
     }
     if (o.cu_seqlens != nullptr) {
-      b = 0;
-      t0 = __ldg(o.cu_seqlens + n * o.cu_stride);
-      len = __ldg(o.cu_seqlens + (n + 1) * o.cu_stride) - t0;
+      row = __ldg(o.cu_seqlens + n * int(o.cu_stride));
+      len = __ldg(o.cu_seqlens + (n + 1) * int(o.cu_stride)) - row;
     } else {
-      b = n;
-      t0 = 0;
-      len = o.T;
+      row = n;
+      len = o.T();
     }
   }
 };
@@ -674,7 +674,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
 
   // Token inputs: every load is issued before any is used (the inputs' offsets do not depend on the slot; with
   // cu_seqlens they wait for the sequence's start).
-  const int slot1 = sq_.slot1, has = sq_.has, b = sq_.b, t0 = sq_.t0, len = sq_.len;
+  const int slot1 = sq_.slot1, has = sq_.has, row = sq_.row, len = sq_.len;
   LaterTile later;
   if constexpr (STAGED) later.locate<VK, KP>(o);
   if (len > 1) return false;
@@ -691,14 +691,13 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     for (int jj = 0; jj < NJ; ++jj) {
       const int c = p * bv + col_of<L, VK>(jj, lane);
       xv_[jj] = to_float(__ldg(v + c));
-      xb_[jj] = to_float(__ldg(bt + (o.beta_cols ? c : 0)));
+      xb_[jj] = to_float(__ldg(bt + (o.beta_cols() ? c : 0)));
     }
   };
   if (tok) {
     // Offsets in 32 bits (the host checked that every token tensor's do), pointers advanced by compile-time steps.
-    const int bi = b, ti = t0;
-    const In* q = static_cast<const In*>(o.q.p) + o.q.offset(bi, ti, h);
-    const In* k = static_cast<const In*>(o.k.p) + o.k.offset(bi, ti, h);
+    const In* q = static_cast<const In*>(o.q.p) + o.q.offset(row, h);
+    const In* k = static_cast<const In*>(o.k.p) + o.k.offset(row, h);
     const int d0 = key_of<L, VK>(0, lane);
 #pragma unroll
     for (int r = 0; r < ND / RUN; ++r) {
@@ -711,16 +710,16 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       nq_raw[i] = to_float(__ldg(q + lane + 32 * i));
       nk_raw[i] = to_float(__ldg(k + lane + 32 * i));
     }
-    load_run<QN>(static_cast<const In*>(o.g.p) + o.g.offset(bi, ti, hv) + gkey, xg);
-    if (o.gate_mode != 0 && o.dt_bias != nullptr) {
+    load_run<QN>(static_cast<const In*>(o.g.p) + o.g.offset(row, hv) + gkey, xg);
+    if (o.gate_mode() != 0 && o.dt_bias != nullptr) {
       load_run<QN>(o.dt_bias + hv * KP + gkey, bias);
     } else {
 #pragma unroll
       for (int i = 0; i < QN; ++i) bias[i] = 0.f;
     }
     alog = o.A_log != nullptr ? __ldg(o.A_log + hv) : 0.f;
-    v = static_cast<const In*>(o.v.p) + o.v.offset(bi, ti, hv) + wcol0;
-    bt = static_cast<const In*>(o.beta.p) + o.beta.offset(bi, ti, hv) + (o.beta_cols ? wcol0 : 0);
+    v = static_cast<const In*>(o.v.p) + o.v.offset(row, hv) + wcol0;
+    bt = static_cast<const In*>(o.beta.p) + o.beta.offset(row, hv) + (o.beta_cols() ? wcol0 : 0);
     load_v_beta(0, xv, xb);
   }
   KDAKIT_STAMP(2);
@@ -736,9 +735,9 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   auto place = [&](int p) {  // pass p: bv columns further (VK: rows of K elements; [K,V]: elements)
     return Place{pf.off + p * bv * (VK ? KP : 1), pf.step, 1 << 20, 1 << 20};
   };
-  const PoolT* src = rslot >= 0 ? static_cast<const PoolT*>(o.initial) + rslot * o.initial_slot_stride +
-                                      hv * o.initial_head_stride
-                                : nullptr;
+  const size_t head_block = size_t(hv) * KP * o.V;  // dense heads (the host checked)
+  const PoolT* src =
+      rslot >= 0 ? static_cast<const PoolT*>(o.initial) + int64_t(rslot) * o.initial_slot_stride + head_block : nullptr;
   extern __shared__ __align__(16) char one_smem[];
   char* staged = one_smem + size_t(tid) * 16;  // this thread's slots
   const int pass_bytes = L::NVEC * static_cast<int>(blockDim.x) * 16;
@@ -773,7 +772,8 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     float sq, sk, qk;
     norm_sums<KL>(nq_raw, nk_raw, sq, sk, qk);
     const float eps = static_cast<float>(math::kL2NormEps);
-    const float qs = (o.l2norm ? rsqrtf(sq + eps) : 1.f) * o.scale, nk = o.l2norm ? rsqrtf(sk + eps) : 1.f;
+    const bool l2 = o.l2norm();
+    const float qs = (l2 ? rsqrtf(sq + eps) : 1.f) * o.scale, nk = l2 ? rsqrtf(sk + eps) : 1.f;
     qkn = qk * qs * nk;
     KDAKIT_STAMP_AFTER(5, qkn);
 #pragma unroll
@@ -781,7 +781,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       xq[dd] *= qs;
       xk[dd] *= nk;
     }
-    const DecodeGate gate(o.gate_mode, alog, o.A_log != nullptr, o.lower_bound);
+    const DecodeGate gate(o.gate_mode(), alog, o.A_log != nullptr, o.lower_bound);
     float gq[QN];
     gate.exp_gates<QN>(xg, bias, gq);
 #pragma unroll
@@ -792,7 +792,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     KDAKIT_STAMP_AFTER(6, gv[ND - 1]);
   }
   const bool leader = VK ? (lane & 7) == 0 : lane < L::LV;
-  const int orow = tok ? o.out.offset(b, t0, hv) + wcol0 : 0;
+  const int orow = tok ? o.out.offset(row, hv) + wcol0 : 0;
 
   for (int p = 0; p < passes; ++p) {
     if (STAGED) {  // this pass's copies are complete once at most the later passes' groups are in flight
@@ -821,7 +821,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       float e[NJ];
 #pragma unroll
       for (int jj = 0; jj < NJ; ++jj) {
-        e[jj] = fast_beta(xb[jj], o.beta_sigmoid, o.neg_eigval) * (xv[jj] - pk[jj]);
+        e[jj] = fast_beta(xb[jj], o.beta_sigmoid(), o.neg_eigval()) * (xv[jj] - pk[jj]);
         if (leader) {
           static_cast<In*>(o.out.p)[orow + p * bv + col_of<L, VK>(jj, lane)] = from_float<In>(fmaf(qkn, e[jj], pq[jj]));
         }
@@ -833,8 +833,8 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       KDAKIT_STAMP_AFTER(8, S[NJ - 1][ND - 1]);
     }
     if (wslot >= 0) {
-      store_block_t<PoolT, L, VK>(S, static_cast<PoolT*>(o.final_state) + wslot * o.final_slot_stride +
-                                         hv * o.final_head_stride, place(p), true);
+      store_block_t<PoolT, L, VK>(S, static_cast<PoolT*>(o.final_state) + int64_t(wslot) * o.final_slot_stride +
+                                         head_block, place(p), true);
     }
     if (tok && p + 1 < passes) {
 #pragma unroll
@@ -855,7 +855,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
 template <typename PoolT, bool VK, int KP, bool STAGED>
 __device__ __forceinline__ bool decode_one_call(const DecodeOneArgs& o KDAKIT_STAMP_PARAM) {
   const OneTokenSeq seq(o);  // before the dispatch, which waits for a kernel parameter
-  const DType in_dt = o.in_dtype;
+  const DType in_dt = o.in_dtype();
   return in_dt == DType::kBFloat16 ? decode_one_token<PoolT, VK, KP, STAGED, __nv_bfloat16>(o, seq KDAKIT_STAMP_ARG)
          : in_dt == DType::kFloat16 ? decode_one_token<PoolT, VK, KP, STAGED, __half>(o, seq KDAKIT_STAMP_ARG)
                                     : decode_one_token<PoolT, VK, KP, STAGED, float>(o, seq KDAKIT_STAMP_ARG);
