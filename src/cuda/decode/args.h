@@ -94,7 +94,7 @@ struct OneRows {
 // - Few constant-cache lines: a kernel's parameters are read through the constant cache, and every line the first
 //   reads touch is a miss on the chain of a short kernel (ncu, T1 N1 H16 fp32: imc_miss stalls ~1.5 per issued
 //   instruction with the 11 lines of the general block; 5 with the first packed form of 304 bytes).
-// - At most 192 bytes: launches with larger argument blocks (224 bytes and up) sometimes take 0.4-1.1 us longer from
+// - At most 192 bytes: launches with larger argument blocks (224 bytes and up) sometimes take 0.3-1.1 us longer from
 //   the event before to the event after, depending on where they fall in the command stream; blocks of up to 192
 //   bytes never did (tools/gpu/launch_args.py, docs/perf-notes.md).
 // Hence 32-bit strides, 16-bit small strides and counts, a state head's block dense (KP * V elements) and the
