@@ -2,8 +2,8 @@
 CUDA events around it), round-robin call by call so that every candidate sees the same process and machine state:
 trivial launches (torch, Triton, a CUDA-runtime kernel of ours with a small and a 304-byte argument block), the
 decode chain without its math (tools/gpu/launch_probe.cu: slot id -> 16 KB state tile per CTA -> store), and the
-T = 1, N = 1 decode rows of kdakit and FLA (--warm: without the flush). Prints span medians and deciles, and the kernel's own duration after the
-flush (torch.profiler).
+T = 1, N = 1 decode rows of kdakit and FLA (--warm: without the flush). Prints span medians and deciles, and the
+kernel's own duration after the flush (torch.profiler).
 
     nvcc -O3 -shared -Xcompiler -fPIC -gencode=arch=compute_90a,code=sm_90a tools/gpu/launch_probe.cu \
         -o /tmp/launch_probe.so
@@ -16,18 +16,12 @@ import statistics
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from decode_order import span_ms  # tools/gpu is the script's directory
 from kdakit import bench
 
 
 def span_us(fn, flush):
-    if flush is not None:
-        flush.zero_()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3
+    return span_ms(fn, flush) * 1e3
 
 
 def kernel_us(fn, flush, reps=30):
