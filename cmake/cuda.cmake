@@ -3,7 +3,9 @@
 set(KDAKIT_CUDA_GENCODE "-gencode=arch=compute_90a,code=sm_90a;-gencode=arch=compute_80,code=compute_80"
     CACHE STRING "nvcc -gencode flags for the kdakit kernels")
 find_package(CUDAToolkit REQUIRED)
+include(${CMAKE_CURRENT_LIST_DIR}/cutlass.cmake)
 target_sources(kdakit PRIVATE ${KDAKIT_CUDA_SOURCES})
+target_include_directories(kdakit SYSTEM PRIVATE ${KDAKIT_CUTLASS_DIR})
 target_compile_definitions(kdakit PRIVATE KDAKIT_WITH_CUDA)
 set_target_properties(kdakit PROPERTIES CUDA_ARCHITECTURES OFF CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON)
 target_compile_options(kdakit PRIVATE

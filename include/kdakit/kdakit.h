@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kdakit/error.h"
@@ -34,16 +35,44 @@ Problem validate(const ForwardParams& p);
 Problem validate(const BackwardParams& p);
 Problem validate(const DecodeParams& p);
 
-// Scratch memory an op needs in `workspace` (bytes). Validates the params.
+// A validated and planned call of the chunked forward (or its backward): validation and planning run once, and the
+// workspace query and the launch read the same plan. Make it from params whose workspace fields are empty, allocate
+// workspace_size() bytes, then run(). A call may run several times (its params' tensors must stay alive).
+class ForwardCall {
+ public:
+  explicit ForwardCall(const ForwardParams& p);
+  const Problem& problem() const;
+  std::size_t workspace_size() const;
+  void run(void* workspace, std::size_t workspace_bytes, void* stream = nullptr) const;
+  struct State;
+
+ private:
+  std::shared_ptr<const State> state_;
+};
+
+class BackwardCall {
+ public:
+  explicit BackwardCall(const BackwardParams& p);
+  const Problem& problem() const;
+  std::size_t workspace_size() const;
+  void run(void* workspace, std::size_t workspace_bytes, void* stream = nullptr) const;
+  struct State;
+
+ private:
+  std::shared_ptr<const State> state_;
+};
+
+// Scratch memory an op needs in `workspace` (bytes). Validates and plans the params.
 std::size_t forward_workspace_size(const ForwardParams& p);
 std::size_t backward_workspace_size(const BackwardParams& p);
 
-// The ops. Outputs are written into the caller's tensors.
+// The ops, in one step (forward and backward: a call made and run with the params' workspace). Outputs are written into
+// the caller's tensors.
 void forward(const ForwardParams& p, void* stream = nullptr);
 void backward(const BackwardParams& p, void* stream = nullptr);
 void decode(const DecodeParams& p, void* stream = nullptr);
 
-// The specification, CPU only: the token recurrence of SPEC §1.4 in float64. Same params and outputs as
+// The specification, CPU only: the token recurrence of spec §1.4 in float64. Same params and outputs as
 // forward() (intermediate_states are the states before every chunk_size-th token).
 void reference_forward(const ForwardParams& p);
 
@@ -57,5 +86,9 @@ const char* version();
 // Threads the CPU backend uses (default: the hardware concurrency).
 void set_cpu_threads(int n);
 int cpu_threads();
+
+// The developer overrides of the CUDA backend's launch choices (KDAKIT_* environment variables, docs/ARCHITECTURE.md)
+// are read once per process; this reads them again. None of them changes a result.
+void reload_overrides();
 
 }  // namespace kdakit

@@ -1,7 +1,7 @@
 // Parameters of the three KDA operations: the chunked forward (prefill / training forward), its backward,
 // and decode / speculative verify. One struct per op carries every option from Python to the kernel.
 //
-// Shapes (SPEC.md §1.1): q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV]; HV % H == 0 and
+// Shapes (spec §1.1): q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K]; beta [B,T,HV]; HV % H == 0 and
 // v-head hv reads q/k head hv / (HV/H). With `cu_seqlens` ([N+1]) the batch must be 1 and holds N packed
 // sequences; otherwise N = B. A state is [K,V] per (sequence, v-head), or [V,K] in the v-first layout.
 #pragma once
@@ -63,7 +63,7 @@ struct ForwardParams {
   KdaInputs in;
   StateIO state;
   int chunk_size = 64;     // 32 or 64
-  bool safe_gate = false;  // caller promises gates in [lower_bound, 0); validates lower_bound (SPEC §3.4)
+  bool safe_gate = false;  // caller promises gates in [lower_bound, 0); validates lower_bound (spec §3.4)
   TensorView out;          // required [B,T,HV,V], any float dtype
   // Optional [B,NT,HV,K,V] (varlen: [1,NT_total,HV,K,V]; v-first per state.layout): the state at the
   // start of every chunk. Float dtype.

@@ -1,4 +1,4 @@
-"""`chunk_kda`: FLA's chunked KDA with FLA's exact signature (SPEC §5.1), plus kdakit's serving arguments."""
+"""`chunk_kda`: FLA's chunked KDA with FLA's exact signature (spec §5.1), plus kdakit's serving arguments."""
 from __future__ import annotations
 
 import warnings
@@ -21,7 +21,7 @@ def _needs_grad(*tensors) -> bool:
 
 
 def resolve_state_layout(state_v_first: bool, kwargs: dict) -> bool:
-    """FLA's deprecated alias `transpose_state_layout` (SPEC §1.6)."""
+    """FLA's deprecated alias `transpose_state_layout` (spec §1.6)."""
     if "transpose_state_layout" in kwargs:
         alias = kwargs.pop("transpose_state_layout")
         if state_v_first:
@@ -56,7 +56,7 @@ def chunk_kda(
 ):
     """Chunked KDA forward (with autograd), FLA-compatible.
 
-    Args are FLA's (SPEC §5.1); keyword-only extras: ``A_log``, ``dt_bias``, ``chunk_size`` (32 or 64) and
+    Args are FLA's (spec §5.1); keyword-only extras: ``A_log``, ``dt_bias``, ``chunk_size`` (32 or 64) and
     ``transpose_state_layout`` (deprecated alias of ``state_v_first``), and kdakit's serving arguments:
 
     - ``ssm_state_indices`` ([N] int): ``initial_state`` is a state pool; sequence n starts from slot

@@ -1,5 +1,5 @@
-"""Token-recurrent KDA for decode and speculative verify: `fused_recurrent_kda` (SPEC §5.3) and the serving entry
-`fused_recurrent_kda_fwd` (SPEC §5.4), with FLA's signatures. Forward only."""
+"""Token-recurrent KDA for decode and speculative verify: `fused_recurrent_kda` (spec §5.3) and the serving entry
+`fused_recurrent_kda_fwd` (spec §5.4), with FLA's signatures. Forward only."""
 from __future__ import annotations
 
 from typing import Optional
@@ -122,7 +122,7 @@ def fused_recurrent_kda_fwd(
     out: Optional[torch.Tensor] = None,
     has_initial_state: Optional[torch.Tensor] = None,
 ):
-    """The serving entry (decode and speculative verify), FLA's signature (SPEC §5.4).
+    """The serving entry (decode and speculative verify), FLA's signature (spec §5.4).
 
     - ``initial_state`` is a state pool ``[slots,HV,K,V]`` (``[slots,HV,V,K]`` with ``state_v_first``) in float32
       or bfloat16 when ``ssm_state_indices`` is given, else ``[N,HV,K,V]``.

@@ -20,6 +20,13 @@ from ._torch import PRE_GATED, fill_inputs, layout, num_sequences, state_shape, 
 # Chunked forward, functional and differentiable.
 
 
+def _run_forward(p, q: Tensor) -> None:
+    """One planned call: its workspace, then the launch (validation and planning once)."""
+    call = _C.ForwardCall(p)
+    ws = workspace(call.workspace_size, q.device)
+    call.run(view(ws), stream_of(q))
+
+
 def _chunk_outputs(q, v, N, output_final_state, num_chunks, state_v_first, varlen, h_dtype):
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -54,9 +61,7 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: O
     p.out = view(o)
     if num_chunks >= 0:
         p.intermediate_states = view(h)
-    ws = workspace(_C.forward_workspace_size(p), q.device)
-    p.set_workspace(view(ws))
-    _C.forward(p, stream_of(q))
+    _run_forward(p, q)
     return o, ht, h
 
 
@@ -100,9 +105,9 @@ def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: O
         p.ddt_bias = view(dbias)
     if initial_state is not None:
         p.d_initial_state = view(dh0)
-    ws = workspace(_C.backward_workspace_size(p), q.device)
-    p.set_workspace(view(ws))
-    _C.backward(p, stream_of(q))
+    call = _C.BackwardCall(p)
+    ws = workspace(call.workspace_size, q.device)
+    call.run(view(ws), stream_of(q))
     return dq, dk, dv, dg, db, dA, dbias, dh0
 
 
@@ -163,9 +168,7 @@ def chunk_fwd_into(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_l
     p.safe_gate = safe_gate
     p.out = view(out)
     p.intermediate_states = view(intermediate_states)
-    ws = workspace(_C.forward_workspace_size(p), q.device)
-    p.set_workspace(view(ws))
-    _C.forward(p, stream_of(q))
+    _run_forward(p, q)
 
 
 @chunk_fwd_into.register_fake

@@ -1,4 +1,4 @@
-"""The specification as a function: kdakit's float64 token recurrence (SPEC §1.4) on the CPU."""
+"""The specification as a function: kdakit's float64 token recurrence (spec §1.4) on the CPU."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,12 +1,15 @@
-// Entry points: validate, size the workspace, dispatch to the backend of the tensors' device.
+// The dispatch: validate and plan once, size the workspace, run on the backend of the tensors' device. The only file
+// of src/core that includes a backend's header.
 #include <string>
+#include <utility>
 
-#include "core/plan.h"
+#include "common/plan.h"
 #include "cpu/backend.h"
 #include "kdakit/kdakit.h"
 
 #if defined(KDAKIT_WITH_CUDA)
 #include "cuda/backend.h"
+#include "cuda/tuning.h"
 #endif
 
 namespace kdakit {
@@ -25,7 +28,120 @@ void require_workspace(void* ws, std::size_t have, std::size_t need) {
   }
 }
 
+// A call's params carry no workspace: the call sizes it, and run() takes it.
+template <class P>
+void require_no_workspace(const P& p, const char* call) {
+  if (p.workspace != nullptr || p.workspace_bytes != 0) {
+    throw InvalidArgument("workspace", std::string("is passed to ") + call + "::run(), not in the params; got " +
+                                           std::to_string(p.workspace_bytes) + " bytes in the params");
+  }
+}
+
+// The params of a one-step op with their workspace fields moved out (checked as the validation checks them).
+template <class P>
+P without_workspace(const P& p) {
+  if (p.workspace_bytes > 0 && p.workspace == nullptr) {
+    throw InvalidArgument("workspace", "workspace_bytes > 0 but workspace is null");
+  }
+  P q = p;
+  q.workspace = nullptr;
+  q.workspace_bytes = 0;
+  return q;
+}
+
 }  // namespace
+
+struct ForwardCall::State {
+  ForwardParams p;
+  detail::Plan plan;
+  std::size_t workspace = 0;
+#if defined(KDAKIT_WITH_CUDA)
+  cuda::ForwardLaunch cuda;
+#endif
+};
+
+ForwardCall::ForwardCall(const ForwardParams& p) {
+  require_no_workspace(p, "ForwardCall");
+  auto s = std::make_shared<State>();
+  s->p = p;
+  s->plan = detail::plan_forward(p);
+  if (s->plan.pr.device == Device::kCPU) {
+    s->workspace = cpu::forward_workspace_size(p, s->plan);
+  } else {
+#if defined(KDAKIT_WITH_CUDA)
+    s->cuda = cuda::plan_forward(p, s->plan);
+    s->workspace = s->cuda.total;
+#else
+    cuda_not_built("forward");
+#endif
+  }
+  state_ = std::move(s);
+}
+
+const Problem& ForwardCall::problem() const { return state_->plan.pr; }
+std::size_t ForwardCall::workspace_size() const { return state_->workspace; }
+
+void ForwardCall::run(void* workspace, std::size_t workspace_bytes, void* stream) const {
+  const State& s = *state_;
+  require_workspace(workspace, workspace_bytes, s.workspace);
+  if (s.plan.pr.device == Device::kCPU) {
+    ForwardParams p = s.p;
+    p.workspace = workspace;
+    p.workspace_bytes = workspace_bytes;
+    cpu::forward_chunked(p, s.plan);
+    return;
+  }
+#if defined(KDAKIT_WITH_CUDA)
+  cuda::forward(s.p, s.plan, s.cuda, workspace, workspace_bytes, stream);
+#else
+  (void)stream;
+  cuda_not_built("forward");
+#endif
+}
+
+struct BackwardCall::State {
+  BackwardParams p;
+  detail::Plan plan;
+  std::size_t workspace = 0;
+};
+
+BackwardCall::BackwardCall(const BackwardParams& p) {
+  require_no_workspace(p, "BackwardCall");
+  auto s = std::make_shared<State>();
+  s->p = p;
+  s->plan = detail::plan_backward(p);
+  if (s->plan.pr.device == Device::kCPU) {
+    s->workspace = cpu::backward_workspace_size(p, s->plan);
+  } else {
+#if defined(KDAKIT_WITH_CUDA)
+    s->workspace = cuda::backward_workspace_size(p, s->plan);
+#else
+    cuda_not_built("backward");
+#endif
+  }
+  state_ = std::move(s);
+}
+
+const Problem& BackwardCall::problem() const { return state_->plan.pr; }
+std::size_t BackwardCall::workspace_size() const { return state_->workspace; }
+
+void BackwardCall::run(void* workspace, std::size_t workspace_bytes, void* stream) const {
+  const State& s = *state_;
+  require_workspace(workspace, workspace_bytes, s.workspace);
+  BackwardParams p = s.p;
+  p.workspace = workspace;
+  p.workspace_bytes = workspace_bytes;
+  if (s.plan.pr.device == Device::kCPU) {
+    cpu::backward(p, s.plan);
+    return;
+  }
+#if defined(KDAKIT_WITH_CUDA)
+  cuda::backward(p, s.plan, stream);
+#else
+  (void)stream;
+  cuda_not_built("backward");
+#endif
+}
 
 int64_t count_chunks(const std::vector<int64_t>& cu_seqlens, int chunk_size) {
   if (chunk_size <= 0) throw InvalidArgument("chunk_size", "must be positive, got " + std::to_string(chunk_size));
@@ -39,53 +155,19 @@ int64_t count_chunks(const std::vector<int64_t>& cu_seqlens, int chunk_size) {
 }
 
 std::size_t forward_workspace_size(const ForwardParams& p) {
-  const detail::Plan plan = detail::plan_forward(p);
-  if (plan.pr.device == Device::kCPU) return cpu::forward_workspace_size(p, plan);
-#if defined(KDAKIT_WITH_CUDA)
-  return cuda::forward_workspace_size(p, plan);
-#else
-  cuda_not_built("forward_workspace_size");
-#endif
+  return ForwardCall(without_workspace(p)).workspace_size();
 }
 
 std::size_t backward_workspace_size(const BackwardParams& p) {
-  const detail::Plan plan = detail::plan_backward(p);
-  if (plan.pr.device == Device::kCPU) return cpu::backward_workspace_size(p, plan);
-#if defined(KDAKIT_WITH_CUDA)
-  return cuda::backward_workspace_size(p, plan);
-#else
-  cuda_not_built("backward_workspace_size");
-#endif
+  return BackwardCall(without_workspace(p)).workspace_size();
 }
 
 void forward(const ForwardParams& p, void* stream) {
-  const detail::Plan plan = detail::plan_forward(p);
-  if (plan.pr.device == Device::kCPU) {
-    require_workspace(p.workspace, p.workspace_bytes, cpu::forward_workspace_size(p, plan));
-    cpu::forward_chunked(p, plan);
-    return;
-  }
-#if defined(KDAKIT_WITH_CUDA)
-  cuda::forward(p, plan, stream);
-#else
-  (void)stream;
-  cuda_not_built("forward");
-#endif
+  ForwardCall(without_workspace(p)).run(p.workspace, p.workspace_bytes, stream);
 }
 
 void backward(const BackwardParams& p, void* stream) {
-  const detail::Plan plan = detail::plan_backward(p);
-  if (plan.pr.device == Device::kCPU) {
-    require_workspace(p.workspace, p.workspace_bytes, cpu::backward_workspace_size(p, plan));
-    cpu::backward(p, plan);
-    return;
-  }
-#if defined(KDAKIT_WITH_CUDA)
-  cuda::backward(p, plan, stream);
-#else
-  (void)stream;
-  cuda_not_built("backward");
-#endif
+  BackwardCall(without_workspace(p)).run(p.workspace, p.workspace_bytes, stream);
 }
 
 void decode(const DecodeParams& p, void* stream) {
@@ -115,6 +197,12 @@ bool cuda_available() {
   return cuda::device_count() > 0;
 #else
   return false;
+#endif
+}
+
+void reload_overrides() {
+#if defined(KDAKIT_WITH_CUDA)
+  cuda::reload_tuning();
 #endif
 }
 

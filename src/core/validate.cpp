@@ -3,33 +3,11 @@
 #include <cmath>
 #include <string>
 
-#include "core/plan.h"
+#include "common/plan.h"
 #include "kdakit/error.h"
 
 namespace kdakit {
 namespace detail {
-
-int64_t read_int(const TensorView& t, int64_t i0) {
-  const char* base = static_cast<const char*>(t.data);
-  const int64_t off = i0 * t.strides[0];
-  switch (t.dtype) {
-    case DType::kInt32: return reinterpret_cast<const int32_t*>(base)[off];
-    case DType::kInt64: return reinterpret_cast<const int64_t*>(base)[off];
-    case DType::kBool:
-    case DType::kUInt8: return reinterpret_cast<const uint8_t*>(base)[off];
-    default: throw InvalidArgument("tensor", std::string("expected an integer tensor, got ") + dtype_name(t.dtype));
-  }
-}
-
-int64_t read_int(const TensorView& t, int64_t i0, int64_t i1) {
-  const char* base = static_cast<const char*>(t.data);
-  const int64_t off = i0 * t.strides[0] + i1 * t.strides[1];
-  switch (t.dtype) {
-    case DType::kInt32: return reinterpret_cast<const int32_t*>(base)[off];
-    case DType::kInt64: return reinterpret_cast<const int64_t*>(base)[off];
-    default: throw InvalidArgument("tensor", std::string("expected an integer tensor, got ") + dtype_name(t.dtype));
-  }
-}
 
 namespace {
 

@@ -4,7 +4,7 @@
 
 #include <cstddef>
 
-#include "core/plan.h"
+#include "common/plan.h"
 
 namespace kdakit::cpu {
 

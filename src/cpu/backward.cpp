@@ -1,5 +1,5 @@
 // The backward of the whole op in float64, by reverse-mode differentiation of the token recurrence
-// (SPEC §1.4) and of the preprocessing (L2 norm, gate, beta sigmoid). One (sequence, q/k head) per task, so
+// (spec §1.4) and of the preprocessing (L2 norm, gate, beta sigmoid). One (sequence, q/k head) per task, so
 // the q/k gradients of a GVA group are summed without races; per-(sequence, v-head) partial sums of dA_log
 // and ddt_bias are reduced afterwards in a fixed order, so the result is deterministic.
 //

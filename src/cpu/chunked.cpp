@@ -1,4 +1,4 @@
-// The chunked forward of SPEC §3.1 in float32: the algorithm kdakit's GPU kernels run, one
+// The chunked forward of spec §3.1 in float32: the algorithm kdakit's GPU kernels run, one
 // (sequence, v-head) per task.
 //
 // Exponent anchoring. All decay factors are exponentials of sums of gates over a contiguous token range,

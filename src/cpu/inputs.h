@@ -1,5 +1,5 @@
 // Reads one token's inputs for one head and applies the in-kernel preprocessing: q/k L2 norm, the gate
-// activation and the beta activation (SPEC §1.5, §2.2, §2.5). Acc is float (chunked, decode) or double
+// activation and the beta activation (spec §1.5, §2.2, §2.5). Acc is float (chunked, decode) or double
 // (the reference and the backward).
 #pragma once
 
@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "common/kda_math.h"
-#include "core/plan.h"
+#include "common/plan.h"
 #include "cpu/dtype.h"
 
 namespace kdakit::cpu {

@@ -1,4 +1,4 @@
-// The token recurrence of SPEC §1.4, one (sequence, v-head) per task. In float64 it is the specification
+// The token recurrence of spec §1.4, one (sequence, v-head) per task. In float64 it is the specification
 // (reference_forward); in float32 it is the CPU decode/verify path.
 #include <vector>
 

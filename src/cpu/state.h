@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "core/plan.h"
+#include "common/plan.h"
 #include "cpu/dtype.h"
 
 namespace kdakit::cpu {
@@ -34,7 +34,7 @@ inline int64_t state_offset(const TensorView& t, int64_t slot, int64_t hv) {
   return slot * t.strides[0] + hv * t.strides[1];
 }
 
-// Which pool slots sequence n reads and writes (SPEC §5.4 and StateIO's contract).
+// Which pool slots sequence n reads and writes (spec §5.4 and StateIO's contract).
 struct SlotPlan {
   int64_t read = -1;   // slot to read the initial state from; -1: start from zero
   int64_t write = -1;  // slot for the final state (1-D indices or none); -1: do not write

@@ -1,16 +1,22 @@
-// The CUDA backend's host entry points (called by src/core/api.cpp when tensors live on a CUDA device).
+// The CUDA backend's entry points, called by src/core/api.cpp (the dispatch) when tensors live on a CUDA device.
 #pragma once
 
 #include <cstddef>
 
-#include "core/plan.h"
+#include "common/plan.h"
+#include "cuda/decode/plan.h"
+#include "cuda/forward/plan.h"
 
 namespace kdakit::cuda {
 
 int device_count();
+// Reads the developer overrides (KDAKIT_* environment variables, cuda/tuning.h) again.
+void reload_tuning();
 
-std::size_t forward_workspace_size(const ForwardParams& p, const detail::Plan& plan);
-void forward(const ForwardParams& p, const detail::Plan& plan, void* stream);
+// The forward: planned once per call (workspace size and launch shapes), then run with the caller's workspace.
+ForwardLaunch plan_forward(const ForwardParams& p, const detail::Plan& plan);
+void forward(const ForwardParams& p, const detail::Plan& plan, const ForwardLaunch& launch, void* workspace,
+             std::size_t workspace_bytes, void* stream);
 
 std::size_t backward_workspace_size(const BackwardParams& p, const detail::Plan& plan);
 void backward(const BackwardParams& p, const detail::Plan& plan, void* stream);

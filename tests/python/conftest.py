@@ -7,7 +7,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def rel_rms(got, ref) -> float:
-    """||got - ref|| / ||ref|| in float64 (FLA's metric, SPEC §6.1, without its absolute shortcut)."""
+    """||got - ref|| / ||ref|| in float64 (FLA's metric, spec §6.1, without its absolute shortcut)."""
     got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
     assert got.shape == ref.shape, (got.shape, ref.shape)
     num = (got - ref).norm().item()
@@ -32,3 +32,37 @@ def seed():
     torch.manual_seed(s)
     print(f"seed={s}")
     return s
+
+
+class _OverridesMonkeyPatch:
+    """pytest's monkeypatch whose changes to KDAKIT_* environment variables reach the library: its developer
+    overrides are read once per process, so every change (and the undo at the end of the test) reloads them."""
+
+    def __init__(self, mp):
+        self._mp = mp
+
+    @staticmethod
+    def _reload(name):
+        if name.startswith("KDAKIT_"):
+            from kdakit import _C
+
+            _C.reload_overrides()
+
+    def setenv(self, name, value, prepend=None):
+        self._mp.setenv(name, value, prepend)
+        self._reload(name)
+
+    def delenv(self, name, raising=True):
+        self._mp.delenv(name, raising)
+        self._reload(name)
+
+    def __getattr__(self, attr):
+        return getattr(self._mp, attr)
+
+
+@pytest.fixture
+def monkeypatch(monkeypatch):
+    mp = _OverridesMonkeyPatch(monkeypatch)
+    yield mp
+    monkeypatch.undo()
+    _OverridesMonkeyPatch._reload("KDAKIT_")

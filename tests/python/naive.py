@@ -1,4 +1,4 @@
-"""An independent float64 oracle in plain torch (autograd gives its gradients): SPEC §1.4, §1.5, §2.2, §2.5."""
+"""An independent float64 oracle in plain torch (autograd gives its gradients): spec §1.4, §1.5, §2.2, §2.5."""
 from __future__ import annotations
 
 import torch

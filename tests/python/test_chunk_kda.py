@@ -1,4 +1,4 @@
-"""`kdakit.chunk_kda` on CPU tensors: FLA's test grid (SPEC §6.2) mirrored in float32 at small sizes, against
+"""`kdakit.chunk_kda` on CPU tensors: FLA's test grid (spec §6.2) mirrored in float32 at small sizes, against
 the independent float64 torch oracle in naive.py, forward and backward."""
 import warnings
 
@@ -15,7 +15,7 @@ TOL = 1e-5  # float32 kdakit vs float64 oracle, relative RMS (FLA's tests allow 
 
 def inputs(B, T, H, HV, D, *, scale=1.0, gate_logit_normalizer=1.0, mask_p=0.0, use_gate=False, safe=False,
            l2_in_kernel=False, Dv=None, cu=None, reset=False, h0=True):
-    """FLA's input recipe (SPEC §6.1) in float32."""
+    """FLA's input recipe (spec §6.1) in float32."""
     Dv = Dv or D
     Ttot = T if cu is None else cu[-1]
     N = B if cu is None else len(cu) - 1

@@ -1,5 +1,5 @@
 """`kdakit.fused_recurrent_kda` and the serving entry `fused_recurrent_kda_fwd` on CPU tensors: FLA's grid
-(SPEC §6.2) in float32 at small sizes against the float64 oracle, plus pools, verify and the errors."""
+(spec §6.2) in float32 at small sizes against the float64 oracle, plus pools, verify and the errors."""
 import warnings
 
 import pytest

@@ -4,11 +4,17 @@
 #
 #   tools/gpu/check.sh [--bench] [--sanitize] [pytest args...]
 #
-# Brought along in the ignored folder .deps/ (name it in the device tool's `carry`):
-#   .deps/googletest/  GoogleTest sources (e.g. a copy of Debian's /usr/src/googletest)
-#   .deps/wheels/      peer wheels for side-by-side tests and benchmarks (flash-linear-attention, fla-core)
+# Brought along in the ignored folder .deps/ (name it in the device tool's `carry`; tools/gpu/prepare_deps.sh fills it):
+#   .deps/cutlass/include/  CUTLASS / CuTe headers for the Hopper kernels (exported as KDAKIT_CUTLASS_DIR)
+#   .deps/googletest/       GoogleTest sources (e.g. a copy of Debian's /usr/src/googletest)
+#   .deps/wheels/           peer wheels for side-by-side tests and benchmarks (flash-linear-attention, fla-core)
+# KDAKIT_QUICK=1: Python tests only (no C++ tests; arguments go to pytest).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 2
+if [[ -z ${KDAKIT_CUTLASS_DIR:-} && -d .deps/cutlass/include ]]; then
+  export KDAKIT_CUTLASS_DIR=$PWD/.deps/cutlass/include
+fi
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 OUT=${OUT:-/tmp/kdakit-out}
 mkdir -p "$OUT"
 BENCH=0; SANITIZE=0
@@ -35,6 +41,7 @@ step() {  # step NAME LOG CMD...: runs CMD, logs to $OUT/LOG, records pass/fail
   nvcc --version | tail -n 1
   python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
   python3 -c 'import nanobind, scikit_build_core; print("nanobind", nanobind.__version__, "scikit-build-core", scikit_build_core.__version__)'
+  echo "KDAKIT_CUTLASS_DIR=${KDAKIT_CUTLASS_DIR:-(unset)}"
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck on a small varlen forward with GVA and tails.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 2
 status=0
 for tool in memcheck racecheck; do
   echo "== compute-sanitizer --tool $tool"

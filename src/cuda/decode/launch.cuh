@@ -1,13 +1,14 @@
-// Kernel selection and launch of the decode kernel for one pool dtype (instantiated per dtype in
-// decode_<dtype>.cu so the two compile in parallel).
+// Kernel selection and launch of the decode for one pool dtype (instantiated per dtype in decode/instantiations/ so
+// the two compile in parallel).
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <string>
-
-#include "cuda/decode/kernels.cuh"
-#include "kdakit/error.h"
+#include "cuda/decode/general.cuh"
+#include "cuda/decode/one_token.cuh"
+#include "cuda/common/static_switch.h"
+#include "cuda/decode/plan.h"
+#include "cuda/device.h"
 
 namespace kdakit::cuda {
 
@@ -26,22 +27,15 @@ void launch_decode_kernel(const DecodeArgs& a, const DecodeConfig& cfg, cudaStre
     }
   }
   if (!one_entry) kernel<<<grid, 32 * cfg.warps, cfg.smem, stream>>>(a);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) throw CudaError(std::string("kdakit: decode_kernel launch failed: ") + cudaGetErrorString(err));
+  check_launch("decode_kernel");
 }
 
 template <typename PoolT>
 void launch_decode(const DecodeArgs& a, const DecodeConfig& cfg, cudaStream_t stream) {
-  auto by_kp = [&](auto vk_tag) {
+  with_bool(cfg.vk, [&](auto vk_tag) {
     constexpr bool VK = decltype(vk_tag)::value;
-    switch (cfg.KP) {
-      case 64: launch_decode_kernel<PoolT, VK, 64>(a, cfg, stream); break;
-      case 128: launch_decode_kernel<PoolT, VK, 128>(a, cfg, stream); break;
-      default: launch_decode_kernel<PoolT, VK, 256>(a, cfg, stream); break;
-    }
-  };
-  if (cfg.vk) by_kp(std::true_type());
-  else by_kp(std::false_type());
+    with_kp(cfg.KP, [&](auto kp_tag) { launch_decode_kernel<PoolT, VK, decltype(kp_tag)::value>(a, cfg, stream); });
+  });
 }
 
 }  // namespace kdakit::cuda

@@ -1,6 +1,6 @@
 // chunk_offsets[n] and seg_offsets[n]: chunks and context-parallel segments of the sequences before n (a block-wide
 // scan over per-thread ranges); seq_order: the sequences longest first (ties in index order), by rank counting.
-#include "cuda/forward/kernels.cuh"
+#include "cuda/forward/launch.cuh"
 
 namespace kdakit::cuda {
 
@@ -12,7 +12,7 @@ __global__ void chunk_offsets_kernel(const ForwardArgs a) {
   const int lo = min(a.N, tid * per), hi = min(a.N, lo + per);
   auto counts = [&](int n, int64_t& segs) {
     int64_t b, t0, len, unused;
-    a.sequence(n, b, t0, len);
+    sequence(a, n, b, t0, len);
     const int64_t nch = (len + a.chunk - 1) / a.chunk;
     segs = a.segments_of(nch, unused);
     return nch;
@@ -50,7 +50,7 @@ __global__ void chunk_offsets_kernel(const ForwardArgs a) {
     int64_t len = -1;
     if (tid < a.N) {
       int64_t b, t0;
-      a.sequence(tid, b, t0, len);
+      sequence(a, tid, b, t0, len);
       lens[tid] = len;
     }
     __syncthreads();

@@ -1,4 +1,4 @@
-// Every invalid input raises kdakit::InvalidArgument naming the argument (SPEC §5.2 and the stricter checks).
+// Every invalid input raises kdakit::InvalidArgument naming the argument (spec §5.2 and the stricter checks).
 #include <gtest/gtest.h>
 
 #include <functional>

@@ -1,4 +1,4 @@
-// Test support: host tensors, random KDA problems (FLA's input recipe, SPEC §6.1) and error metrics.
+// Test support: host tensors, random KDA problems (FLA's input recipe, spec §6.1) and error metrics.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,80 @@
+// Intra-card context parallelism, the merge of the segments' start states (spec §7.5; cp/segments.h).
+#pragma once
+
+#include <cstddef>
+
+#include "cuda/common/seqlen.cuh"
+#include "cuda/forward/args.h"
+
+namespace kdakit::cuda {
+
+// Per (sequence, v-head, 8 value columns), in order over the sequence's segments: S_start(s+1) = M_s S_start(s) + E_s
+// in fp32, written over E_s (segment s + 1 reads its start state from slot s). S_start(1) = E_0 is already in place
+// (the scan of segment 0 starts from the caller's state). Narrow column blocks: the chain over segments is serial,
+// so the CTAs of one step should fill the SMs and each do little.
+constexpr int kMergeThreads = 256;
+constexpr int kMergeCols = 8;   // state columns per CTA
+constexpr int kMergeKeys = 32;  // keys of M staged at a time
+
+template <int KP>
+struct MergeLayout {
+  static constexpr int LDS = kMergeCols + 1, LDM = kMergeKeys + 1;
+  static constexpr size_t bytes() { return sizeof(float) * (KP * LDS + KP * LDM); }
+};
+
+template <int KP>
+__global__ void __launch_bounds__(kMergeThreads) segment_merge_kernel(const ForwardArgs a) {
+  using L = MergeLayout<KP>;
+  constexpr int RG = kMergeThreads / kMergeCols, RPT = KP / RG;  // row groups; rows per thread
+  const int VT_cols = a.seg_ld - KP;  // value columns of a slot
+  const int CB = (VT_cols + kMergeCols - 1) / kMergeCols;
+  int64_t idx = blockIdx.x;
+  const int cb = static_cast<int>(idx % CB);
+  idx /= CB;
+  const int hv = static_cast<int>(idx % a.HV);
+  const int n = static_cast<int>(idx / a.HV);
+  int64_t b, t0, len, per;
+  sequence(a, n, b, t0, len);
+  const int64_t nseg = a.segments_of((len + a.chunk - 1) / a.chunk, per);
+  if (nseg <= 2) return;
+  extern __shared__ __align__(16) char smem_raw[];
+  float* sS = reinterpret_cast<float*>(smem_raw);  // [KP][LDS] S_start(s), this CTA's columns
+  float* sM = sS + KP * L::LDS;                     // [KP][LDM] M_s, keys e0 .. e0 + kMergeKeys - 1
+  const int tid = threadIdx.x, j = tid % kMergeCols, rg = tid / kMergeCols;
+  const int col = cb * kMergeCols + j;
+  const bool col_in = col < a.V;
+  auto row = [&](int64_t g, int d) { return a.ws_seg + ((g * a.HV + hv) * KP + d) * a.seg_ld; };
+  const int64_t g0 = a.seg_offsets[n];
+  for (int64_t s = 1; s + 1 < nseg; ++s) {
+    const int64_t g = g0 + s;
+    for (int e = rg; e < KP; e += RG) sS[e * L::LDS + j] = col_in && e < a.K ? row(g - 1, e)[col] : 0.f;
+    float acc[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int d = rg + RG * i;
+      acc[i] = col_in && d < a.K ? row(g, d)[col] : 0.f;
+    }
+    for (int e0 = 0; e0 < a.K; e0 += kMergeKeys) {
+      __syncthreads();  // sS written; the previous block of M consumed
+      for (int x = tid; x < KP * kMergeKeys; x += kMergeThreads) {
+        const int d = x / kMergeKeys, e = x % kMergeKeys;  // a warp reads one row's 32 keys (128 bytes)
+        sM[d * L::LDM + e] = d < a.K && e0 + e < a.K ? row(g, d)[VT_cols + e0 + e] : 0.f;
+      }
+      __syncthreads();
+#pragma unroll 8
+      for (int e = 0; e < kMergeKeys; ++e) {
+        const float sv = sS[(e0 + e) * L::LDS + j];
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) acc[i] = fmaf(sM[(rg + RG * i) * L::LDM + e], sv, acc[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int d = rg + RG * i;
+      if (col_in && d < a.K) row(g, d)[col] = acc[i];
+    }
+    __syncthreads();  // S_start(s+1) visible to the CTA before it is read as the next S_start
+  }
+}
+
+}  // namespace kdakit::cuda

@@ -1,6 +1,0 @@
-// Decode kernels for float32 state pools.
-#include "cuda/decode/launch.cuh"
-
-namespace kdakit::cuda {
-template void launch_decode<float>(const DecodeArgs&, const DecodeConfig&, cudaStream_t);
-}  // namespace kdakit::cuda

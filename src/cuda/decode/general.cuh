@@ -1,0 +1,324 @@
+// The decode / speculative-verify kernel's general form: any number of tokens per sequence, 2-D slot indices and
+// per-token states, states of any supported dtype and alignment (docs/ARCHITECTURE.md).
+#pragma once
+
+#include "common/kda_math.h"
+#include "cuda/common/gate.cuh"
+#include "cuda/common/seqlen.cuh"
+#include "cuda/decode/inputs.cuh"
+#include "cuda/decode/one_token.cuh"
+#include "cuda/decode/token_math.cuh"
+
+namespace kdakit::cuda {
+
+
+// Registers: with KP <= 128 five CTAs of 4 warps fit an SM (<= 96 registers) without spills; the [K,V] bf16 tile
+// (8 columns per thread, 16 sums per butterfly) needs up to 128 at KP = 128 (four CTAs); KP = 256 holds twice the
+// state per thread. The state loads in flight are not bounded by registers: the tile is staged in shared memory.
+template <typename L, bool VK, int KP>
+constexpr int decode_min_blocks() { return KP > 128 ? 2 : (!VK && L::NJ == 8 && KP == 128 ? 4 : 5); }
+
+// The kernel takes its arguments by value (not __grid_constant__): ptxas then reads them from the constant bank at
+// every use instead of holding them in registers across the token loop.
+//
+// FULL (run-time facts the host checked): K == KP, the V tiles are whole, the state is staged, and every state
+// output has the pool's dtype and vector alignment. The tile's places then need no K / V masks and fold to
+// constants, where the masked form spends most of its instructions on such bookkeeping (docs/perf-notes.md).
+//
+// ONE (the host checked DecodeConfig::one's conditions): sequences of one token take decode_one_token, whose
+// register preparation holds q, k and the gate of a thread's keys beside its state (up to 128 registers: four CTAs
+// per SM); longer ones (varlen calls whose lengths the host could not read) the general path.
+template <typename PoolT, bool VK, int KP, bool FULL, bool ONE>
+__global__ void __launch_bounds__(kDecodeMaxWarps * 32,
+                                  (ONE ? 4 : decode_min_blocks<decode_detail::Tile<PoolT, VK, KP>, VK, KP>()))
+    decode_kernel(const DecodeArgs a) {
+  using namespace decode_detail;
+  static_assert(!(ONE && FULL), "the one-token form falls back to the general (masked) path");
+  if constexpr (ONE) {
+    if (a.one.passes > 1 ? decode_one_call<PoolT, VK, KP, true>(a.one)
+                         : decode_one_call<PoolT, VK, KP, false>(a.one)) {
+      return;
+    }
+  }
+  using L = Tile<PoolT, VK, KP>;
+  constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL, GRP = L::GRP;
+  constexpr int MC = kDecodeMaxTileCols / 32;  // tile columns per lane in the preparation
+  // FULL: K, V and the staging are known to the compiler (V only through "every tile is whole").
+  const bool stage_state = FULL || a.stage_state;
+  const int Kc = FULL ? KP : a.K, Vc = FULL ? (1 << 30) : a.V;
+  const int nthreads = blockDim.x, nw = nthreads >> 5, bv = nw * kDecodeWarpCols;
+  const int passes = a.passes, bvt = bv * passes;  // columns per pass; columns of the CTA tile
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // Grid (N, HV, vtiles): no divisions on the way to the slot load.
+  const int n = static_cast<int>(blockIdx.x), hv = static_cast<int>(blockIdx.y), vt = static_cast<int>(blockIdx.z);
+  const int h = hv / a.group;
+  const int col0 = vt * bvt;  // the CTA's first value column
+
+  extern __shared__ __align__(16) char smem[];
+  const int tb = a.tb;
+  const int es = a.q.dtype == DType::kFloat32 ? 4 : 2, bes = a.beta.dtype == DType::kFloat32 ? 4 : 2;
+  const DecodeSmem lay(KP, tb, bvt,
+                       stage_state ? decode_state_tile_bytes(KP, int(sizeof(PoolT)), nthreads, passes) : 0);
+  float* sQ = reinterpret_cast<float*>(smem + lay.q);     // [tb][KP] q * scale / |q|
+  float* sK = reinterpret_cast<float*>(smem + lay.k);     // [tb][KP] k / |k|
+  float* sA = reinterpret_cast<float*>(smem + lay.a);     // [tb][KP] exp(gate)
+  float* sV = reinterpret_cast<float*>(smem + lay.v);     // [tb][bvt] v of the CTA's columns
+  float* sB = reinterpret_cast<float*>(smem + lay.beta);  // [tb][bvt] beta of the CTA's columns
+  float* sQK = reinterpret_cast<float*>(smem + lay.qk);   // [tb] q.k (normalised, scaled)
+  int* sSlot = reinterpret_cast<int*>(smem + lay.slot);   // [tb] per-token slot (2-D indices)
+  char* sState = smem + lay.state + size_t(tid) * 16;     // this thread's staged state vectors
+  const DType in_dt = a.q.dtype;
+
+  // Per-sequence scalars: every load is issued before any is used. Slot rules: src/cpu/state.h (plan_slots).
+  const bool idx2d = a.state_indices.present() && a.idx_2d;
+  const bool per_token = idx2d && a.final_state.present();  // 2-D indices write the state after every token
+  const int64_t slot1 = a.state_indices.present() && !idx2d ? a.state_indices.load_int(n * a.idx_s0) : n;
+  const int64_t acc = idx2d && a.num_accepted.present() ? a.num_accepted.load_int(n * a.acc_stride) : 1;
+  const int64_t has = a.has_initial_state.present() ? a.has_initial_state.load_int(n * a.has_stride) : 1;
+  // The head's gate parameters, into registers now (they go to shared memory once the state's copies are issued):
+  // in flight with the slot loads, not after them.
+  constexpr int NBIAS = KP / 32;  // dt_bias values per thread (CTAs have 32 threads or more)
+  float bias_r[NBIAS];
+  const bool use_bias = a.gate_mode != GateMode::kPreGated && a.dt_bias.present();
+#pragma unroll
+  for (int i = 0; i < NBIAS; ++i) {
+    const int d = tid + i * nthreads;
+    bias_r[i] = use_bias && d < Kc ? a.dt_bias.load(int64_t(hv) * Kc + d) : 0.f;
+  }
+  const float alog_r = tid == 0 && a.A_log.present() ? a.A_log.load(hv) : 0.f;
+  int64_t b64, t064, len64;
+  sequence(a, n, b64, t064, len64);
+  const int b = static_cast<int>(b64), t0 = static_cast<int>(t064), len = static_cast<int>(len64);  // < 2^31
+
+  // Step 1 of a token batch: raw inputs into shared memory by asynchronous copies, all in flight at once, committed
+  // as one group. The scalars (headwise beta, per-token slots) go through registers; `commit` stores them once they
+  // are needed.
+  float beta_raw = 0.f;
+  int tok_slot = -1;
+  auto stage = [&](int i0, int nb) {
+    const int64_t s0 = int64_t(t0) + i0;
+    // Tensor i (q, k, g, v, then beta per column) is copied by warp i % nw: the tensors' address arithmetic runs
+    // in parallel on the warps, not one after the other on every thread.
+    const int ntensors = a.beta_cols ? 5 : 4;
+    for (int i = warp; i < ntensors; i += nw) {
+      const bool rows_k = i < 3;  // q, k, g: K columns; v, beta: the tile's columns
+      const TokenRows& t = i == 0 ? a.q : i == 1 ? a.k : i == 2 ? a.g : i == 3 ? a.v : a.beta;
+      const size_t off = i == 0 ? lay.q : i == 1 ? lay.k : i == 2 ? lay.a : i == 3 ? lay.v : lay.beta;
+      stage_rows(smem + off, t, i == 4 ? bes : es, i == 0 || i == 1 ? h : hv, b, s0, nb, rows_k ? 0 : col0,
+                 rows_k ? KP : bvt, rows_k ? Kc : Vc, lane, 32);
+    }
+    if (!a.beta_cols && tid < nb) {  // one value per head, activated in step 2
+      beta_raw = load_scalar(a.beta.p, a.beta.dtype, a.beta.offset(b, s0 + tid, hv));
+    }
+    if (per_token && tid < nb) {
+      const int64_t t = i0 + tid;  // ids outside the pool: no write (as -1)
+      const int64_t w = t < a.idx_cols ? a.state_indices.load_int(n * a.idx_s0 + t * a.idx_s1) : -1;
+      tok_slot = w >= 0 && w < a.final_state.slots ? static_cast<int>(w) : -1;
+    }
+    cp_async_commit();
+  };
+  // `pending`: cp.async groups committed after the batch's that may stay in flight (the state tile's passes).
+  auto commit = [&](int nb, int pending) {
+    if (!a.beta_cols && tid < nb) sB[tid * bvt] = beta_raw;
+    if (per_token && tid < nb) sSlot[tid] = tok_slot;
+    cp_async_wait(pending);
+    __syncthreads();
+  };
+  if (len > 0) stage(0, static_cast<int>(len < tb ? len : tb));  // before the state: it does not wait for the slots
+
+  // The slots. Ids outside the pool are treated like -1 (no read, no write): the host cannot check device-side
+  // indices without a synchronisation.
+  int64_t rslot64 = slot1, wslot64 = idx2d ? -1 : slot1;
+  if (idx2d) rslot64 = acc >= 1 && acc <= a.idx_cols ? a.state_indices.load_int(n * a.idx_s0 + (acc - 1) * a.idx_s1) : -1;
+  if (!a.initial.present() || rslot64 < 0 || rslot64 >= a.initial.slots || has == 0) rslot64 = -1;
+  if (!a.final_state.present() || wslot64 < 0 || wslot64 >= a.final_state.slots) wslot64 = -1;
+  const int rslot = static_cast<int>(rslot64), wslot = static_cast<int>(wslot64);  // -1 or a slot of the pool (int32)
+  const bool has_src = rslot >= 0;
+  auto src = [&]() { return static_cast<const PoolT*>(a.initial.p) + a.initial.block(rslot, hv); };
+
+  // The state tile: with stage_state every pass's copies are issued here, one cp.async group per pass (empty ones
+  // too, so that the group count is the same for every thread), and stay in flight while the token inputs are
+  // prepared and while earlier passes compute.
+  const int tile_vecs = L::NVEC * nthreads * 16;  // bytes of one pass in shared memory
+  // Where a warp's vectors lie (FULL: K = KP and no masks, so offsets and bounds are compile-time where possible).
+  auto place = [&](int wcol0) {
+    if constexpr (FULL) {
+      const Place pf = place_of<L, VK>(KP, a.V, wcol0, lane);  // [K,V]: V is the row stride
+      return Place{pf.off, pf.step, 1 << 20, 1 << 20};
+    } else {
+      return place_of<L, VK>(Kc, Vc, wcol0, lane);
+    }
+  };
+  if (stage_state) {
+    for (int p = 0; p < passes; ++p) {
+      // FULL without an initial state: the copies zero-fill the tile (no zeroing branch per pass).
+      if (FULL || has_src) {
+        issue_block_async<PoolT, VK, KP>(has_src ? src() : static_cast<const PoolT*>(a.initial.p),
+                                         place(col0 + p * bv + warp * kDecodeWarpCols),
+                                         sState + size_t(p) * tile_vecs, nthreads, has_src ? 16 : 0);
+      }
+      cp_async_commit();
+    }
+  }
+  const int state_groups = stage_state ? passes : 0;
+
+  // The head's gate parameters to shared memory (read by step 2 of every batch).
+  float* sBias = reinterpret_cast<float*>(smem + lay.bias);
+  float* sAlog = reinterpret_cast<float*>(smem + lay.a_log);
+#pragma unroll
+  for (int i = 0; i < NBIAS; ++i) {
+    const int d = tid + i * nthreads;
+    if (d < KP) sBias[d] = bias_r[i];
+  }
+  if (tid == 0) *sAlog = alog_r;
+
+  // A sequence of one batch (len <= tb, every serving call) prepares its tokens once for all passes; longer ones
+  // stage and prepare every batch again in every pass.
+  const bool multi = len > tb;
+  for (int p = 0; p < passes; ++p) {
+    const int pc0 = p * bv;                                  // the pass's first column within the tile
+    const int wcol0 = col0 + pc0 + warp * kDecodeWarpCols;  // this warp's first value column
+    const Place pl = place(wcol0);
+    float S[NJ][ND];
+    // The pass's state into registers: its own copies are complete once at most the later passes' groups are in
+    // flight. Without an initial state: zero.
+    auto load_pass = [&]() {
+      if (stage_state) {
+        cp_async_wait(passes - 1 - p);
+        if (FULL || has_src) load_block_staged<PoolT, VK, KP>(S, src(), pl, sState + size_t(p) * tile_vecs, nthreads);
+      } else if (has_src) {
+        load_block<PoolT, VK, KP>(S, src(), pl, a.initial.vec);  // never FULL
+      }
+      if (!FULL && !has_src) {
+#pragma unroll
+        for (int jj = 0; jj < NJ; ++jj) {
+#pragma unroll
+          for (int dd = 0; dd < ND; ++dd) S[jj][dd] = 0.f;
+        }
+      }
+    };
+    if (len <= 0) load_pass();  // an empty sequence: its final state is its initial state
+    for (int i0 = 0; i0 < len; i0 += tb) {
+      const int nb = static_cast<int>(len - i0 < tb ? len - i0 : tb);
+      if (p == 0 || multi) {
+        if (p > 0 || i0 > 0) {
+          __syncthreads();  // the previous batch's readers are done
+          stage(i0, nb);
+          commit(nb, 0);
+        } else {
+          commit(nb, state_groups);
+        }
+
+        // 2. Per token, one warp each for (a) the L2 norms and q.k, (b) the gate and (c) v and the beta
+        //    activation (three tasks: at T = 1 three of four warps work, and the gate's chain is not followed by
+        //    v's). A warp reads its raw values into registers before widening them in place (__syncwarp between).
+        for (int task = warp; task < 3 * nb; task += nw) {
+          const int tt = task / 3, kind = task - 3 * tt;
+          if (kind == 0) {
+            float* q = sQ + tt * KP;
+            float* k = sK + tt * KP;
+            const char* rq = reinterpret_cast<const char*>(q) + (4 - es) * KP;
+            const char* rk = reinterpret_cast<const char*>(k) + (4 - es) * KP;
+            float xq[KL], xk[KL];
+#pragma unroll
+            for (int i = 0; i < KL; ++i) {
+              xq[i] = raw_at(rq, in_dt, lane + 32 * i);
+              xk[i] = raw_at(rk, in_dt, lane + 32 * i);
+            }
+            float sq, sk, qk;
+            norm_sums<KL>(xq, xk, sq, sk, qk);
+            const float eps = static_cast<float>(math::kL2NormEps);
+            const float nq = a.l2norm ? rsqrtf(sq + eps) : 1.f;
+            const float nk = a.l2norm ? rsqrtf(sk + eps) : 1.f;
+            const float qs = nq * a.scale;
+            __syncwarp();  // every lane has read its raw values
+#pragma unroll
+            for (int i = 0; i < KL; ++i) {
+              q[lane + 32 * i] = xq[i] * qs;
+              k[lane + 32 * i] = xk[i] * nk;
+            }
+            if (lane == 0) sQK[tt] = qk * qs * nk;
+          } else if (kind == 1) {
+            float* g = sA + tt * KP;
+            const char* rg = reinterpret_cast<const char*>(g) + (4 - es) * KP;
+            float x[KL];
+#pragma unroll
+            for (int i = 0; i < KL; ++i) x[i] = raw_at(rg, in_dt, lane + 32 * i);
+            const GateLog2 gate(a.gate_mode, *sAlog, a.A_log.present(), a.lower_bound);
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < KL; ++i) {
+              const int d = lane + 32 * i;
+              // keys past K hold zero state; any finite factor works
+              g[d] = d < Kc ? fast_exp2(gate(a.gate_mode != GateMode::kPreGated ? x[i] + sBias[d] : x[i])) : 0.f;
+            }
+          } else {  // v and beta of the tile's columns
+            float* v = sV + tt * bvt;
+            float* bt = sB + tt * bvt;
+            const char* rv = reinterpret_cast<const char*>(v) + (4 - es) * bvt;
+            const char* rb = reinterpret_cast<const char*>(bt) + (4 - bes) * bvt;
+            float xv[MC], xb[MC];
+#pragma unroll
+            for (int i = 0; i < MC; ++i) {
+              const int c = lane + 32 * i;
+              xv[i] = xb[i] = 0.f;
+              if (c < bvt) {
+                xv[i] = raw_at(rv, in_dt, c);
+                xb[i] = a.beta_cols ? raw_at(rb, a.beta.dtype, c) : bt[0];
+              }
+            }
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < MC; ++i) {
+              const int c = lane + 32 * i;
+              if (c < bvt) {
+                v[c] = xv[i];
+                bt[c] = beta_fast(xb[i], a.beta_sigmoid, a.neg_eigval);
+              }
+            }
+          }
+        }
+        __syncthreads();
+      }
+
+      if (i0 == 0) load_pass();  // after the first preparation, which the state's copies overlap
+
+      // 3. The tokens, state in registers.
+      for (int tt = 0; tt < nb; ++tt) {
+        const float* q = sQ + tt * KP;
+        const float* k = sK + tt * KP;
+        const float* g = sA + tt * KP;
+        float pk[NJ], pq[NJ];
+        token_sums<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
+          const int d = key_of<L, VK>(dd, lane);
+          load_keys<GRP>(g + d, g_);
+          load_keys<GRP>(k + d, k_);
+          load_keys<GRP>(q + d, q_);
+        }, pk, pq);
+        const int64_t s = int64_t(t0) + i0 + tt;
+        const float qk = sQK[tt];
+        // After the butterfly every lane of a column group holds the sums; the group's first lane stores o.
+        const bool leader = VK ? (lane & 7) == 0 : lane < L::LV;
+        const int64_t orow = a.out.offset(b, s, hv) + col0;
+        float e[NJ];
+#pragma unroll
+        for (int jj = 0; jj < NJ; ++jj) {
+          const int cl = pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane);  // column within the CTA tile
+          e[jj] = sB[tt * bvt + cl] * (sV[tt * bvt + cl] - pk[jj]);
+          if (leader && col0 + cl < Vc) a.out.store(orow + cl, fmaf(qk, e[jj], pq[jj]));
+        }
+        token_update<L>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_of<L, VK>(dd, lane), k_); }, e);
+        if (a.token_states.present()) {
+          store_block<PoolT, L, VK, FULL>(S, a.token_states, a.token_states.block(int64_t(b) * a.T + s, hv), pl);
+        }
+        if (per_token) {
+          const int w = sSlot[tt];
+          if (w >= 0) store_block<PoolT, L, VK, FULL>(S, a.final_state, a.final_state.block(w, hv), pl);
+        }
+      }
+    }
+    if (wslot >= 0) store_block<PoolT, L, VK, FULL>(S, a.final_state, a.final_state.block(wslot, hv), pl);
+  }
+}
+
+}  // namespace kdakit::cuda

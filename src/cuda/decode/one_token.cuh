@@ -1,0 +1,252 @@
+// The decode's one-token form: calls whose sequences have at most one token (the engines' decode step). Each thread
+// loads and prepares in registers exactly the inputs it uses, with no barrier; its state goes straight to registers
+// (one pass) or, at large batches (STAGED), through the thread's own slots of a staged tile (docs/ARCHITECTURE.md).
+#pragma once
+
+#include "common/kda_math.h"
+#include "cuda/common/gate.cuh"
+#include "cuda/decode/inputs.cuh"
+#include "cuda/decode/token_math.cuh"
+
+namespace kdakit::cuda {
+namespace decode_detail {
+
+
+// The whole call for this CTA's tile (all its passes) when its sequence has at most one token; false (nothing done) when
+// it has more (varlen calls whose lengths the host could not read), for the general path to take over. Needs what
+// the host checked (DecodeConfig::one): K == KP, whole V tiles, vector-aligned token rows and states in the pool's
+// dtype, 1-D or no slot indices, no per-token states, q, k, v, g, beta and out of one dtype (In), dt_bias and A_log
+// float32. Element types are compile-time here: at small batches a CTA's time is mostly the fetch of the
+// instructions it runs (docs/perf-notes.md), and run-time dtype switches per load multiply them.
+// A sequence's scalars for the one-token form, loaded before anything waits (int32 slot ids and cu_seqlens: the
+// host checked). The slot's load starts the chain slot -> state -> token math, so it is the kernel's first load.
+// row: the token tensors' row of its token (OneRows): the token with cu_seqlens, the batch row n otherwise.
+struct OneTokenSeq {
+  int slot1, has, row, len;
+  __device__ __forceinline__ explicit OneTokenSeq(const DecodeOneArgs& o) {
+    const int n = static_cast<int>(blockIdx.x);
+    slot1 = o.state_indices != nullptr ? __ldg(o.state_indices + n * int(o.idx_stride)) : n;
+    has = 1;
+    if (o.has_initial_state != nullptr) {
+      has = static_cast<int>(
+          DynPtr{const_cast<void*>(o.has_initial_state), o.has_dtype()}.load_int(n * int(o.has_stride)));
+    }
+    if (o.cu_seqlens != nullptr) {
+      row = __ldg(o.cu_seqlens + n * int(o.cu_stride));
+      len = __ldg(o.cu_seqlens + (n + 1) * int(o.cu_stride)) - row;
+    } else {
+      row = n;
+      len = o.T();
+    }
+  }
+};
+
+template <typename PoolT, bool VK, int KP, bool STAGED, typename In>
+__device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const OneTokenSeq& sq_) {
+  using L = Tile<PoolT, VK, KP>;
+  constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL;
+  constexpr int RUN = VK ? L::VEC : ND;  // consecutive keys of a thread
+  // The gate: VK threads that differ only in their value rows (lane bits 3, 4) hold the same keys; each computes a
+  // quarter of them and takes the rest by shuffles (the softplus is the preparation's longest part).
+  constexpr int QN = VK ? ND / 4 : ND;
+  static_assert(!VK || QN <= L::VEC, "a quarter of a thread's keys lies in one run");
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int hv = static_cast<int>(blockIdx.y);
+  const int h = o.group_shift >= 0 ? hv >> o.group_shift : hv / o.group;
+  // The CTA tile: `passes` column groups of bv = 8 * warps columns (STAGED; one otherwise); this warp's columns of
+  // pass p start at wcol0 + p * bv. The thread's keys, and so its q, k and gate, are the same in every pass.
+  const int passes = STAGED ? o.passes : 1, bv = (blockDim.x >> 5) * kDecodeWarpCols;
+  const int wcol0 = static_cast<int>(blockIdx.z) * bv * passes + warp * kDecodeWarpCols;
+
+  // Token inputs: every load is issued before any is used (the inputs' offsets do not depend on the slot; with
+  // cu_seqlens they wait for the sequence's start).
+  const int slot1 = sq_.slot1, has = sq_.has, row = sq_.row, len = sq_.len;
+  LaterTile later;
+  if constexpr (STAGED) later.locate<VK, KP>(o);
+  if (len > 1) return false;
+  const bool tok = len == 1;
+  float xq[ND], xk[ND], xg[QN], bias[QN], xv[NJ], xb[NJ], nq_raw[KL], nk_raw[KL];
+  const int dd0 = VK ? (lane >> 3) * QN : 0;  // the first of this thread's gate keys (slot index)
+  const int gkey = key_of<L, VK>(dd0, lane);
+  float alog = 0.f;
+  const In *v = nullptr, *bt = nullptr;
+  // v and beta at this thread's columns of pass p (loaded one pass ahead of their use).
+  auto load_v_beta = [&](int p, float (&xv_)[NJ], float (&xb_)[NJ]) {
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj) {
+      const int c = p * bv + col_of<L, VK>(jj, lane);
+      xv_[jj] = to_float(__ldg(v + c));
+      xb_[jj] = to_float(__ldg(bt + (o.beta_cols() ? c : 0)));
+    }
+  };
+  if (tok) {
+    // Offsets in 32 bits (the host checked that every token tensor's do), pointers advanced by compile-time steps.
+    const In* q = static_cast<const In*>(o.q.p) + o.q.offset(row, h);
+    const In* k = static_cast<const In*>(o.k.p) + o.k.offset(row, h);
+    const int d0 = key_of<L, VK>(0, lane);
+#pragma unroll
+    for (int r = 0; r < ND / RUN; ++r) {
+      const int dr = key_of<L, VK>(r * RUN, 0) - key_of<L, VK>(0, 0);  // compile-time
+      load_run<RUN>(q + d0 + dr, &xq[r * RUN]);
+      load_run<RUN>(k + d0 + dr, &xk[r * RUN]);
+    }
+#pragma unroll
+    for (int i = 0; i < KL; ++i) {  // the norms' keys (norm_sums): loaded beside the thread's own, in flight together
+      nq_raw[i] = to_float(__ldg(q + lane + 32 * i));
+      nk_raw[i] = to_float(__ldg(k + lane + 32 * i));
+    }
+    load_run<QN>(static_cast<const In*>(o.g.p) + o.g.offset(row, hv) + gkey, xg);
+    if (o.gate_mode() != 0 && o.dt_bias != nullptr) {
+      load_run<QN>(o.dt_bias + hv * KP + gkey, bias);
+    } else {
+#pragma unroll
+      for (int i = 0; i < QN; ++i) bias[i] = 0.f;
+    }
+    alog = o.A_log != nullptr ? __ldg(o.A_log + hv) : 0.f;
+    v = static_cast<const In*>(o.v.p) + o.v.offset(row, hv) + wcol0;
+    bt = static_cast<const In*>(o.beta.p) + o.beta.offset(row, hv) + (o.beta_cols() ? wcol0 : 0);
+    load_v_beta(0, xv, xb);
+  }
+
+  // The slot (ids outside the pool: neither read nor written), then the state's loads. One pass: straight into
+  // registers. Several (large batches): every pass's 16-byte vectors are issued now as cp.async copies
+  // into this thread's own slots of shared memory (one group per pass), so the bytes in flight are bounded by
+  // shared memory rather than registers, and cp.async.wait_group alone orders them (the general form's staged
+  // tile, without its barrier).
+  const int rslot = o.initial == nullptr || slot1 < 0 || slot1 >= o.initial_slots || has == 0 ? -1 : slot1;
+  const int wslot = o.final_state == nullptr || slot1 < 0 || slot1 >= o.final_slots ? -1 : slot1;
+  const Place pf = place_of<L, VK>(KP, o.V, wcol0, lane);
+  auto place = [&](int p) {  // pass p: bv columns further (VK: rows of K elements; [K,V]: elements)
+    return Place{pf.off + p * bv * (VK ? KP : 1), pf.step, 1 << 20, 1 << 20};
+  };
+  const size_t head_block = size_t(hv) * KP * o.V;  // dense heads (the host checked)
+  const PoolT* src =
+      rslot >= 0 ? static_cast<const PoolT*>(o.initial) + int64_t(rslot) * o.initial_slot_stride + head_block : nullptr;
+  extern __shared__ __align__(16) char one_smem[];
+  char* staged = one_smem + size_t(tid) * 16;  // this thread's slots
+  const int pass_bytes = L::NVEC * static_cast<int>(blockDim.x) * 16;
+  float S[NJ][ND];
+  auto zero_state = [&]() {
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj) {
+#pragma unroll
+      for (int dd = 0; dd < ND; ++dd) S[jj][dd] = 0.f;
+    }
+  };
+  if (STAGED) {
+    if (rslot >= 0) {
+      for (int p = 0; p < passes; ++p) {
+        issue_block_async<PoolT, VK, KP>(src, place(p), staged + size_t(p) * pass_bytes, blockDim.x);
+        cp_async_commit();
+      }
+    }
+    later.prefetch<PoolT, VK, KP>(o, passes * bv);
+  } else if (rslot >= 0) {
+    load_block<PoolT, VK, KP>(S, src, place(0), true);
+  } else {
+    zero_state();
+  }
+
+  // The preparation, once for all passes: the same operations in the same order as the general path (norm_sums,
+  // its preparation and token math), so that a sequence's bits do not depend on which form ran it.
+  float gv[ND], qkn = 0.f;
+  if (tok) {
+    float sq, sk, qk;
+    norm_sums<KL>(nq_raw, nk_raw, sq, sk, qk);
+    const float eps = static_cast<float>(math::kL2NormEps);
+    const bool l2 = o.l2norm();
+    const float qs = (l2 ? rsqrtf(sq + eps) : 1.f) * o.scale, nk = l2 ? rsqrtf(sk + eps) : 1.f;
+    qkn = qk * qs * nk;
+#pragma unroll
+    for (int dd = 0; dd < ND; ++dd) {
+      xq[dd] *= qs;
+      xk[dd] *= nk;
+    }
+    const GateLog2 gate(static_cast<GateMode>(o.gate_mode()), alog, o.A_log != nullptr, o.lower_bound);
+    float gq[QN];
+    gate.exp_gates<QN>(xg, bias, gq);
+#pragma unroll
+    for (int dd = 0; dd < ND; ++dd) {
+      if constexpr (VK) gv[dd] = __shfl_sync(0xffffffffu, gq[dd % QN], (dd / QN) * 8 + (lane & 7));
+      else gv[dd] = gq[dd];
+    }
+  }
+  const bool leader = VK ? (lane & 7) == 0 : lane < L::LV;
+  const int orow = tok ? o.out.offset(row, hv) + wcol0 : 0;
+
+  for (int p = 0; p < passes; ++p) {
+    if (STAGED) {  // this pass's copies are complete once at most the later passes' groups are in flight
+      if (rslot >= 0) {
+        cp_async_wait(passes - 1 - p);
+        load_block_staged<PoolT, VK, KP>(S, src, place(p), staged + size_t(p) * pass_bytes, blockDim.x);
+      } else {
+        zero_state();
+      }
+    }
+    float nv[NJ], nb[NJ];
+    if (tok && p + 1 < passes) load_v_beta(p + 1, nv, nb);
+    if (tok) {
+      // The token: S *= exp(g); kS and qS in one pass; e = beta (v - kS); o = qS + (q.k) e; S += k e^T.
+      constexpr int GRP = L::GRP;
+      float pk[NJ], pq[NJ];
+      token_sums<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
+#pragma unroll
+        for (int i = 0; i < GRP; ++i) {
+          q_[i] = xq[dd + i];
+          k_[i] = xk[dd + i];
+          g_[i] = gv[dd + i];
+        }
+      }, pk, pq);
+      float e[NJ];
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj) {
+        e[jj] = beta_fast(xb[jj], o.beta_sigmoid(), o.neg_eigval()) * (xv[jj] - pk[jj]);
+        if (leader) {
+          static_cast<In*>(o.out.p)[orow + p * bv + col_of<L, VK>(jj, lane)] = from_float<In>(fmaf(qkn, e[jj], pq[jj]));
+        }
+      }
+      token_update<L>(S, [&](int dd, float (&k_)[GRP]) {
+#pragma unroll
+        for (int i = 0; i < GRP; ++i) k_[i] = xk[dd + i];
+      }, e);
+    }
+    if (wslot >= 0) {
+      store_block_t<PoolT, L, VK>(S, static_cast<PoolT*>(o.final_state) + int64_t(wslot) * o.final_slot_stride +
+                                         head_block, place(p), true);
+    }
+    if (tok && p + 1 < passes) {
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj) {
+        xv[jj] = nv[jj];
+        xb[jj] = nb[jj];
+      }
+    }
+  }
+  return true;
+}
+
+// The one-token form for this CTA: the sequence's scalars, then the body for q's dtype. False: the sequence has
+// more than one token (the general path takes over). STAGED: the state staged in shared memory over o.passes
+// passes; a compile-time flag, so that the one-pass body (small batches, where a CTA's time follows the code it
+// fetches) carries no code of the staged one.
+template <typename PoolT, bool VK, int KP, bool STAGED>
+__device__ __forceinline__ bool decode_one_call(const DecodeOneArgs& o) {
+  const OneTokenSeq seq(o);  // before the dispatch, which waits for a kernel parameter
+  const DType in_dt = o.in_dtype();
+  return in_dt == DType::kBFloat16 ? decode_one_token<PoolT, VK, KP, STAGED, __nv_bfloat16>(o, seq)
+         : in_dt == DType::kFloat16 ? decode_one_token<PoolT, VK, KP, STAGED, __half>(o, seq)
+                                    : decode_one_token<PoolT, VK, KP, STAGED, float>(o, seq);
+}
+
+}  // namespace decode_detail
+
+
+// The one-token form's own entry, for calls in which the host knows every sequence has at most one token (fixed
+// T = 1, or lengths read on the host): it takes only the packed DecodeOneArgs (304 bytes instead of DecodeArgs'
+// 952), so its launch carries a small argument block, and holds no general path (no fall-back to size for).
+template <typename PoolT, bool VK, int KP, bool STAGED>
+__global__ void __launch_bounds__(kDecodeMaxWarps * 32, 4) decode_one_kernel(const DecodeOneArgs o) {
+  decode_detail::decode_one_call<PoolT, VK, KP, STAGED>(o);
+}
+
+}  // namespace kdakit::cuda

@@ -1,0 +1,88 @@
+// The decode kernels' per-token math, shared by the general and the one-token forms (their results agree to the bit):
+// the sums over K, the norms and q.k, and one token's update of a thread's part of the state.
+#pragma once
+
+#include "cuda/decode/state_io.cuh"
+
+namespace kdakit::cuda::decode_detail {
+
+// Sum over the lanes that share this thread's columns (a butterfly: every one of them gets the sum).
+template <typename L, bool VK>
+__device__ __forceinline__ float column_sum(float x) {
+#pragma unroll
+  for (int m = VK ? 1 : L::LV; m < (VK ? 8 : 32); m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+
+// The squared norms of q and k and q.k over K, from lane l's raw values at keys l + 32 i (i < KP / 32): sums in i
+// order, then a butterfly over the warp. Both forms of the kernel reduce in this order, so that their results agree
+// to the bit.
+template <int KL>
+__device__ __forceinline__ void norm_sums(const float (&xq)[KL], const float (&xk)[KL], float& sq, float& sk, float& qk) {
+  sq = sk = qk = 0.f;
+#pragma unroll
+  for (int i = 0; i < KL; ++i) {
+    sq = fmaf(xq[i], xq[i], sq);
+    sk = fmaf(xk[i], xk[i], sk);
+    qk = fmaf(xq[i], xk[i], qk);
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    sq += __shfl_xor_sync(0xffffffffu, sq, m);
+    sk += __shfl_xor_sync(0xffffffffu, sk, m);
+    qk += __shfl_xor_sync(0xffffffffu, qk, m);
+  }
+}
+
+// ---- the token math, shared by both forms -------------------------------------------------------------------
+// One token on the thread's state part, in the order both forms use (their results agree to the bit). `keys(dd, q,
+// k, g)` gives q, k and exp(gate) of the thread's GRP consecutive keys from key slot dd on (shared memory in the
+// general form, registers in the one-token form).
+//   token_sums: S *= exp(g); kS and qS from the decayed state, summed over K (every lane of a column group gets
+//               the sums).
+//   token_update: S += k e^T.
+template <typename L, bool VK, typename Keys>
+__device__ __forceinline__ void token_sums(float (&S)[L::NJ][L::ND], const Keys& keys, float (&pk)[L::NJ],
+                                           float (&pq)[L::NJ]) {
+  constexpr int GRP = L::GRP;
+#pragma unroll
+  for (int jj = 0; jj < L::NJ; ++jj) pk[jj] = pq[jj] = 0.f;
+#pragma unroll
+  for (int dd = 0; dd < L::ND; dd += GRP) {
+    float qv[GRP], kv[GRP], gv[GRP];
+    keys(dd, qv, kv, gv);
+#pragma unroll
+    for (int i = 0; i < GRP; ++i) {
+#pragma unroll
+      for (int jj = 0; jj < L::NJ; ++jj) {
+        const float s = S[jj][dd + i] * gv[i];
+        S[jj][dd + i] = s;
+        pk[jj] = fmaf(kv[i], s, pk[jj]);
+        pq[jj] = fmaf(qv[i], s, pq[jj]);
+      }
+    }
+  }
+#pragma unroll
+  for (int jj = 0; jj < L::NJ; ++jj) {
+    pk[jj] = column_sum<L, VK>(pk[jj]);
+    pq[jj] = column_sum<L, VK>(pq[jj]);
+  }
+}
+
+template <typename L, typename KeysK>
+__device__ __forceinline__ void token_update(float (&S)[L::NJ][L::ND], const KeysK& keys_k, const float (&e)[L::NJ]) {
+  constexpr int GRP = L::GRP;
+#pragma unroll
+  for (int dd = 0; dd < L::ND; dd += GRP) {
+    float kv[GRP];
+    keys_k(dd, kv);
+#pragma unroll
+    for (int i = 0; i < GRP; ++i) {
+#pragma unroll
+      for (int jj = 0; jj < L::NJ; ++jj) S[jj][dd + i] = fmaf(kv[i], e[jj], S[jj][dd + i]);
+    }
+  }
+}
+
+}  // namespace kdakit::cuda::decode_detail

@@ -1,0 +1,38 @@
+// The chunked forward's launch plan for one call: the kernels' shapes, the context-parallel cut, the workspace
+// layout. A pure function of the call, the device's facts and the developer overrides: made once per call, read by
+// the workspace query and the launch alike, and tested on the CPU (tests/cpp/cuda/test_forward_plan.cpp).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/plan.h"
+#include "cuda/device.h"
+#include "cuda/forward/tile_size.h"
+#include "cuda/tuning.h"
+
+namespace kdakit::cuda {
+
+struct ForwardLaunch {
+  ForwardConfig cfg;
+  int VP = 64;             // V padded to 64 columns (the u workspace rows)
+  std::size_t esz = 2;     // operand bytes: 2 (bf16 inputs), 4 (float16 and float32 inputs)
+  int64_t slots = 0;       // chunk slots of the prepare grid and the workspace (an upper bound of the real chunks)
+  // Context parallelism (ForwardArgs::seg_target): off when seg_target == 1.
+  int seg_target = 1, seg_min_chunks = 0, seg_ld = 0;
+  int64_t segments = 0;    // segment slots (the sequences without cuts)
+  bool ordered = false;    // the recurrence runs the sequences longest first (ForwardArgs::seq_order)
+  // Workspace layout: byte offsets of each part (256-byte aligned) and the total.
+  std::size_t off_offsets = 0, off_w = 0, off_qg = 0, off_kg = 0, off_u = 0, off_a = 0, off_alo = 0, off_gam = 0;
+  std::size_t off_seg_offsets = 0, off_seg = 0, off_order = 0;
+  std::size_t total = 0;
+};
+
+// Throws InvalidArgument for inputs the kernels do not take and CudaError where no tile fits the shared memory.
+ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& plan, const DeviceInfo& device,
+                                  const Tuning& tuning);
+
+// Shared memory per block of the prepare kernel and of the recurrence for inputs of `in` and a configuration.
+ForwardSmem forward_smem(DType in, const ForwardConfig& cfg);
+
+}  // namespace kdakit::cuda

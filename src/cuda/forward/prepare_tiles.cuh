@@ -1,0 +1,152 @@
+// Building blocks of the prepare kernel (forward/prepare_sm80.cuh): staging token rows into operand tiles, paired
+// element loads, and one doubling level of the triangular inverse.
+#pragma once
+
+#include <type_traits>
+
+#include "cuda/common/math.cuh"
+#include "cuda/common/sm80/mma.cuh"
+#include "cuda/forward/args.h"
+#include "cuda/forward/tile_size.h"
+
+namespace kdakit::cuda {
+
+// Diagonal blocks are factorised around their middle row while every exponent stays within +-64 nats.
+constexpr float kMaxAnchorLog2 = 64.0f * kLog2e;
+
+template <typename Elem>
+__device__ __forceinline__ Elem to_elem(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 to_elem<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ float to_elem<float>(float v) { return v; }
+
+// Bump allocation of dynamic shared memory with 16-byte alignment.
+struct SmemCursor {
+  char* p;
+  template <typename T>
+  __device__ __forceinline__ T* take(int count) {
+    T* r = reinterpret_cast<T*>(p);
+    p += (static_cast<size_t>(count) * sizeof(T) + 15) & ~size_t(15);
+    return r;
+  }
+};
+
+// Copies rows [0, nrows) x cols [0, cols) of a token tensor into columns [0, WIDTH) of a smem tile [C][ld] (InT),
+// zero elsewhere. vec: 16-byte copies are legal (aligned base, strides and cols). Each thread keeps one 16-byte
+// column piece and walks a compile-time number of rows by pointer increments (the 64-bit offset arithmetic per piece
+// was ~10 instructions).
+template <typename InT, int C, int WIDTH>
+__device__ __forceinline__ void stage_rows(InT* dst, int ld, const InT* src, const TokenRows& t, int64_t b,
+                                           int64_t row0, int h, int nrows, int cols, bool vec) {
+  constexpr int EPC = 16 / sizeof(InT), PIECES = WIDTH / EPC, STEP = kPrepareThreads / PIECES;
+  static_assert(WIDTH % EPC == 0 && kPrepareThreads % PIECES == 0 && C % STEP == 0,
+                "whole pieces, a fixed piece per thread, whole row steps");
+  const int c0 = (threadIdx.x % PIECES) * EPC, r0 = threadIdx.x / PIECES;
+  const InT* s = src + t.offset(b, row0 + r0, h) + c0;
+  InT* d = dst + r0 * ld + c0;
+  const int64_t step = STEP * t.st;
+  if (vec) {
+    const int rows = c0 < cols ? nrows : 0;  // a piece is wholly inside K or wholly past it
+#pragma unroll
+    for (int i = 0; i < C / STEP; ++i, s += step, d += STEP * ld) {
+      if (r0 + i * STEP < rows) cp_async16(d, s);
+      else *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  } else {
+#pragma unroll 1
+    for (int i = 0; i < C / STEP; ++i, s += step, d += STEP * ld) {
+      const bool in = r0 + i * STEP < nrows;
+#pragma unroll
+      for (int j = 0; j < EPC; ++j) d[j] = in && c0 + j < cols ? s[j] : InT(0.f);
+    }
+  }
+}
+
+// Elements d and d + 1 of a row (p points at element d) as floats: one paired load where `pair` (an aligned pair,
+// both elements present), else element loads with absent elements (ok0 / ok1 false: past K) reading zero.
+template <typename InT>
+__device__ __forceinline__ float2 load_pair(const InT* p, bool ok0, bool ok1, bool pair) {
+  if (pair) {
+    if constexpr (std::is_same<InT, float>::value) {
+      return *reinterpret_cast<const float2*>(p);
+    } else if constexpr (std::is_same<InT, __nv_bfloat16>::value) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+      return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    } else {
+      return __half22float2(*reinterpret_cast<const __half2*>(p));
+    }
+  }
+  return make_float2(ok0 ? to_float(p[0]) : 0.f, ok1 ? to_float(p[1]) : 0.f);
+}
+
+__device__ __forceinline__ float2 operator+(float2 x, float2 y) { return make_float2(x.x + y.x, x.y + y.y); }
+__device__ __forceinline__ float2 operator-(float2 x, float2 y) { return make_float2(x.x - y.x, x.y - y.y); }
+__device__ __forceinline__ float2 operator*(float2 x, float2 y) { return make_float2(x.x * y.x, x.y * y.y); }
+__device__ __forceinline__ float2 operator*(float2 x, float s) { return make_float2(x.x * s, x.y * s); }
+__device__ __forceinline__ float2 exp2_2(float2 x) { return make_float2(fast_exp2(x.x), fast_exp2(x.y)); }
+// Sum of squares of the elements in 16 bytes of InT.
+template <typename InT>
+__device__ __forceinline__ float sum_squares16(const uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same<InT, float>::value) {
+      const float x = __uint_as_float(w[i]);
+      s += x * x;
+    } else if constexpr (std::is_same<InT, __nv_bfloat16>::value) {
+      const float lo = __uint_as_float(w[i] << 16), hi = __uint_as_float(w[i] & 0xffff0000u);
+      s += lo * lo + hi * hi;
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      s += f.x * f.x + f.y * f.y;
+    }
+  }
+  return s;
+}
+
+
+// One doubling level of the inverse of a unit lower triangular [C][LDL] fp32 tile whose diagonal blocks of 16 rows
+// already hold their inverses: for each pair of row blocks of S = 16 * MT rows (top at `top`, bottom at top + S), the
+// bottom-left block B becomes -D^-1 B A^-1, where A^-1 and D^-1 are the pair's (already inverted) diagonal blocks.
+// Warps [0, (C / 2S) * (S / 8)) each compute 8 columns; every thread of the CTA must call it (two barriers).
+template <int C, int LDL, int LDY, int MT>
+__device__ __forceinline__ void inverse_level(float* sT, float* sY) {
+  constexpr int S = 16 * MT, TILES = S / 8, TASKS = (C / (2 * S)) * TILES;
+  static_assert(TASKS <= kPrepareThreads / 32 && TASKS <= 4, "one task per warp, four scratch tiles");
+  const int warp = threadIdx.x >> 5;
+  FragC t[MT][1];
+  int r0 = 0, c0 = 0;
+  if (warp < TASKS) {
+    const int top = 2 * S * (warp / TILES), nt = warp % TILES;
+    r0 = top + S;
+    c0 = top + 8 * nt;
+    float* y = sY + warp * 32 * LDY;
+    // Y = B A^-1 (columns c0..c0 + 7); A^-1 is lower triangular, so rows above the column's 16-block are zero.
+    FragC acc[MT][1];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[m][0].zero();
+    const int kskip = (8 * nt) / 16;
+    warp_gemm<float, MT, 1, false, true>(acc, sT, LDL, r0, sT, LDL, c0, top + 16 * kskip, MT - kskip);
+    for_each_acc<MT, 1>([&](int m, int, int e, int row, int col) {
+      if ((e & 1) == 0) *reinterpret_cast<float2*>(y + row * LDY + col) = make_float2(acc[m][0].x[e], acc[m][0].x[e + 1]);
+    });
+    __syncwarp();
+    // -D^-1 Y (the A tile starts at D^-1's first column, so that k indexes both D^-1's columns and Y's rows)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) t[m][0].zero();
+    warp_gemm<float, MT, 1, false, true>(t, sT + r0, LDL, r0, y, LDY, 0, 0, MT);
+  }
+  __syncthreads();  // every reader of B (and of the diagonal blocks) is done
+  if (warp < TASKS) {
+    for_each_acc<MT, 1>([&](int m, int, int e, int row, int col) {
+      if ((e & 1) == 0) {
+        *reinterpret_cast<float2*>(sT + (r0 + row) * LDL + c0 + col) = make_float2(-t[m][0].x[e], -t[m][0].x[e + 1]);
+      }
+    });
+  }
+  __syncthreads();
+}
+
+}  // namespace kdakit::cuda

@@ -1,0 +1,153 @@
+// What the recurrence kernels share (forward/recurrence_sm80.cuh, recurrence_vrows.cuh): the work of a CTA (segment,
+// v-head, V tile), the stage tiles in shared memory and their asynchronous copies from the workspace, and the
+// accumulator-to-A-fragment conversion of the value-row kernels.
+#pragma once
+
+#include "cuda/common/seqlen.cuh"
+#include "cuda/common/sm80/mma.cuh"
+#include "cuda/forward/args.h"
+#include "cuda/forward/tile_size.h"
+
+namespace kdakit::cuda {
+
+// Finds the sequence of segment slot g (seg_offsets[n] <= g < seg_offsets[n+1]; without cuts the g-th sequence of
+// seq_order where it is given); false past the last segment.
+__device__ __forceinline__ bool segment_sequence(const ForwardArgs& a, int64_t g, int& n, int64_t& s) {
+  if (a.seg_offsets == nullptr) {
+    n = a.seq_order != nullptr ? a.seq_order[g] : static_cast<int>(g);
+    s = 0;
+    return true;
+  }
+  if (g >= a.seg_offsets[a.N]) return false;
+  n = owner_of(a.seg_offsets, a.N, g);
+  s = g - a.seg_offsets[n];
+  return true;
+}
+
+// A recurrence CTA's work: blockIdx.x = (segment slot, v-head, tile), tiles fastest; the sequence, its chunks in this
+// segment, and whether the tile is a transition tile (SCAN: the K / BV extra tiles that give M). False when the CTA
+// has nothing to do (past the last segment; the scan of a sequence's last segment; M of segment 0).
+struct RecurrenceTile {
+  int VT, tile, hv, n, vt, ncols;  // ncols: valid columns (value rows) of this tile's kind
+  int64_t gseg, seg, b, t0, len, nch_all, c_begin, c_end, base;
+  bool trans;
+};
+template <int KP, int BV, bool SCAN>
+__device__ __forceinline__ bool recurrence_tile(const ForwardArgs& a, RecurrenceTile& w) {
+  const int C = a.chunk;
+  w.VT = (a.V + BV - 1) / BV;
+  const int TILES = SCAN ? w.VT + KP / BV : w.VT;
+  int64_t idx = blockIdx.x;
+  w.tile = static_cast<int>(idx % TILES);
+  idx /= TILES;
+  w.hv = static_cast<int>(idx % a.HV);
+  w.gseg = idx / a.HV;  // segment slot
+  if (!segment_sequence(a, w.gseg, w.n, w.seg)) return false;
+  sequence(a, w.n, w.b, w.t0, w.len);
+  w.nch_all = (w.len + C - 1) / C;
+  int64_t per;
+  const int64_t nseg = a.segments_of(w.nch_all, per);
+  w.c_begin = w.seg * per;
+  w.c_end = min(w.nch_all, w.c_begin + per);  // this segment's chunks
+  w.trans = SCAN && w.tile >= w.VT;
+  if (SCAN && (w.seg == nseg - 1 || (w.trans && w.seg == 0))) return false;  // no scan of last segments; seg 0: no M
+  w.vt = w.trans ? w.tile - w.VT : w.tile;
+  w.ncols = w.trans ? a.K : a.V;
+  w.base = a.chunk_offsets[w.n];
+  return true;
+}
+
+// A recurrence stage in shared memory: one chunk's workspace tiles, laid out by each kernel's layout.
+template <typename Elem>
+struct RecurrenceStage {
+  Elem *w, *q, *k, *u, *a, *alo;
+  float* gam;
+};
+
+// Rows [0, C) of a [C][KP] workspace tile into a stage tile of row stride LDK: a compile-time number of steps over the
+// 64-row maximum (unrolled, constant address steps).
+template <typename Elem, int KP, int LDK, int NT>
+__device__ __forceinline__ void copy_ws_tile(Elem* dst, const Elem* src, int C) {
+  constexpr int EPC = 16 / sizeof(Elem), KC = KP / EPC;
+#pragma unroll
+  for (int i = 0; i < (64 * KC + NT - 1) / NT; ++i) {
+    const int e = threadIdx.x + i * NT, r = e / KC, c = (e % KC) * EPC;
+    if (r < C) cp_async16(dst + r * LDK + c, src + r * KP + c);
+  }
+}
+
+// Rows [0, C) of a [C][KC] workspace tile into a swizzled stage tile (wgmma.cuh, bf16): each 8 lanes copy one
+
+// Rows [0, C) of a [C][KC] workspace tile into a tile of the warpgroup MMAs' swizzled layout (forward/recurrence_sm90.cuh).
+template <typename Elem, int KC, int NT>
+__device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int C);
+
+// Chunk ci's workspace tiles into stage t as one commit group: w; qg (not SCAN) and kg unless ONE_TILE (they take
+// turns in w's buffer later); the tile's BV columns of u (transition tiles have u = 0); Aqk and its lo tile (not
+// SCAN); gamma. SWIZZLED: w, qg, kg, Aqk in the swizzled layout of the warpgroup MMAs (chunk 64), else row-major
+// with row strides LDK / LDA.
+template <typename Elem, int KP, int BV, int NT, int LDK, int LDB, int LDA, bool SPLIT_A, bool ONE_TILE, bool SCAN,
+          bool SWIZZLED = false>
+__device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const RecurrenceTile& rt, int64_t ci,
+                                            const RecurrenceStage<Elem>& t) {
+  constexpr int EPC = 16 / sizeof(Elem);
+  const int C = a.chunk, tid = threadIdx.x;
+  const int64_t wtile = (rt.base + ci) * a.HV + rt.hv;
+  auto tile_of = [&](void* ws) { return static_cast<const Elem*>(ws) + wtile * C * KP; };
+  if constexpr (SWIZZLED) {
+    copy_ws_swizzled<Elem, KP, NT>(t.w, tile_of(a.ws_w), C);
+    if constexpr (!SCAN) copy_ws_swizzled<Elem, KP, NT>(t.q, tile_of(a.ws_qg), C);
+    copy_ws_swizzled<Elem, KP, NT>(t.k, tile_of(a.ws_kg), C);
+  } else {
+    copy_ws_tile<Elem, KP, LDK, NT>(t.w, tile_of(a.ws_w), C);
+    if constexpr (!ONE_TILE) {
+      if constexpr (!SCAN) copy_ws_tile<Elem, KP, LDK, NT>(t.q, tile_of(a.ws_qg), C);
+      copy_ws_tile<Elem, KP, LDK, NT>(t.k, tile_of(a.ws_kg), C);
+    }
+  }
+  if (!rt.trans) {
+    const Elem* gu = static_cast<const Elem*>(a.ws_u) + wtile * C * a.VP + rt.vt * BV;
+    constexpr int BC = BV / EPC;
+#pragma unroll
+    for (int i = 0; i < (64 * BC + NT - 1) / NT; ++i) {
+      const int e = tid + i * NT, r = e / BC, c = (e % BC) * EPC;
+      if (r < C) cp_async16(t.u + r * LDB + c, gu + r * a.VP + c);
+    }
+  }
+  if constexpr (!SCAN && SWIZZLED) {
+    copy_ws_swizzled<Elem, 64, NT>(t.a, static_cast<const Elem*>(a.ws_a) + wtile * C * C, C);
+    copy_ws_swizzled<Elem, 64, NT>(t.alo, static_cast<const Elem*>(a.ws_alo) + wtile * C * C, C);
+  } else if constexpr (!SCAN) {
+    const Elem* ga = static_cast<const Elem*>(a.ws_a) + wtile * C * C;
+    const Elem* galo = static_cast<const Elem*>(a.ws_alo) + wtile * C * C;
+    const int AC = C / EPC;
+    for (int e = tid; e < C * AC; e += NT) {
+      const int r = e / AC, c = (e % AC) * EPC;
+      cp_async16(t.a + r * LDA + c, ga + r * C + c);
+      if constexpr (SPLIT_A) cp_async16(t.alo + r * LDA + c, galo + r * C + c);
+    }
+  }
+  const float* gg = a.ws_gam + wtile * KP;
+  for (int e = tid; e < KP / 4; e += NT) cp_async16(t.gam + 4 * e, gg + 4 * e);
+  cp_async_commit();
+}
+
+
+// The A fragment (m16 x k16) of accumulator n-tiles c0 (k 0..7) and c1 (k 8..15): split into hi + lo bf16 (a[0],
+// a[1]) or rounded once to bf16 (a[0]).
+template <bool SPLIT>
+__device__ __forceinline__ void acc_to_a(const FragC& c0, const FragC& c1, FragA (&a)[SPLIT ? 2 : 1]) {
+  if constexpr (SPLIT) {
+    split_pack(c0.x[0], c0.x[1], a[0].x[0], a[1].x[0]);
+    split_pack(c0.x[2], c0.x[3], a[0].x[1], a[1].x[1]);
+    split_pack(c1.x[0], c1.x[1], a[0].x[2], a[1].x[2]);
+    split_pack(c1.x[2], c1.x[3], a[0].x[3], a[1].x[3]);
+  } else {
+    a[0].x[0] = pack_bf16(c0.x[0], c0.x[1]);
+    a[0].x[1] = pack_bf16(c0.x[2], c0.x[3]);
+    a[0].x[2] = pack_bf16(c1.x[0], c1.x[1]);
+    a[0].x[3] = pack_bf16(c1.x[2], c1.x[3]);
+  }
+}
+
+}  // namespace kdakit::cuda

@@ -1,0 +1,36 @@
+// Developer overrides of the CUDA backend's choices, for tuning tools and tests. Every one is read from the
+// environment in one place (`Tuning::from_environment`), once per process and again on `reload_tuning()`.
+// None of them changes a result: each picks among launch shapes that give the same bits (tested), or lowers a limit.
+//
+//   KDAKIT_FORWARD_BV=16|32|64|128      the recurrence's V tile (values the configuration does not have are ignored)
+//   KDAKIT_FORWARD_WGMMA=0              no warpgroup MMAs in the recurrence on Hopper (A/B timing)
+//   KDAKIT_FORWARD_SEGMENTS=<n>         the context-parallel cut's target segment count (1: no cuts)
+//   KDAKIT_FORWARD_SEGMENT_TOKENS=<n>   the shortest segment, in tokens (default 8192)
+//   KDAKIT_SMEM_LIMIT=<bytes>           shared memory per block below the device's (emulates smaller GPUs)
+//   KDAKIT_DECODE_WARPS=1|2|4           warps per decode CTA
+//   KDAKIT_DECODE_PASSES=1|2|4          column groups per decode CTA tile
+//   KDAKIT_DECODE_GENERAL=<any>         the decode's masked general form, never the whole-tile or one-token forms
+//   KDAKIT_DECODE_PREFETCH=<x>          the staged one-token decode's L2 prefetch distance, CTAs per SM (0: off)
+#pragma once
+
+namespace kdakit::cuda {
+
+struct Tuning {
+  int forward_bv = 0;             // 0: the planner's choice
+  bool forward_wgmma = true;
+  int forward_segments = -1;      // < 0: the planner's choice
+  int forward_segment_tokens = 8192;
+  long smem_limit = 0;            // 0: the device's limit
+  int decode_warps = 0;           // 0: the planner's choice
+  int decode_passes = 0;          // 0: the planner's choice
+  bool decode_general = false;
+  float decode_prefetch = 1.f;    // CTAs per SM
+
+  static Tuning from_environment();
+};
+
+// The overrides in effect (read once); reload_tuning() reads the environment again.
+const Tuning& tuning();
+void reload_tuning();
+
+}  // namespace kdakit::cuda

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Fills the ignored folder .deps/ on a NETWORKED machine, for the offline GPU machine (carry `.deps` along):
+#
+#   tools/gpu/prepare_deps.sh [BASE_COMMIT]          (BASE_COMMIT default 3abe6b1)
+#
+#   .deps/cutlass/include/  CUTLASS / CuTe headers (cute/, cutlass/) from the nvidia-cutlass==4.2.0.0 wheel's
+#                           cutlass_library/source/include; check.sh and ab_build.sh export it as KDAKIT_CUTLASS_DIR
+#   .deps/googletest/       copy of /usr/src/googletest (when present here), for the C++ tests offline
+#   .deps/wheels/           flash-linear-attention and fla-core wheels (peers of the side-by-side tests and benchmark)
+#   .deps/ab/base/          `git archive BASE_COMMIT` of this repository: the base tree of tools/gpu/run compare / ab.sh
+#
+# Idempotent: what is already there (same version, same commit) is kept; prints what it put where.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+CUTLASS_VERSION=4.2.0.0
+BASE_COMMIT=${1:-3abe6b1}
+mkdir -p .deps
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+# --- CUTLASS / CuTe headers
+if [[ -d .deps/cutlass/include/cute && -d .deps/cutlass/include/cutlass \
+      && $(cat .deps/cutlass/VERSION 2>/dev/null) == "$CUTLASS_VERSION" ]]; then
+  echo "cutlass:    .deps/cutlass/include (nvidia-cutlass $CUTLASS_VERSION) already there"
+else
+  python3 -m pip download -q --no-deps "nvidia-cutlass==$CUTLASS_VERSION" -d "$tmp/cutlass"
+  whl=$(ls "$tmp"/cutlass/*.whl | head -n 1)
+  unzip -q "$whl" 'cutlass_library/source/include/*' -d "$tmp/cutlass/x"
+  for d in cute cutlass; do
+    [[ -d $tmp/cutlass/x/cutlass_library/source/include/$d ]] || { echo "no include/$d in $whl" >&2; exit 1; }
+  done
+  rm -rf .deps/cutlass
+  mkdir -p .deps/cutlass
+  mv "$tmp/cutlass/x/cutlass_library/source/include" .deps/cutlass/include
+  echo "$CUTLASS_VERSION" >.deps/cutlass/VERSION
+  echo "cutlass:    .deps/cutlass/include <- $(basename "$whl") (cutlass_library/source/include)"
+fi
+
+# --- GoogleTest sources
+if [[ -d .deps/googletest ]]; then
+  echo "googletest: .deps/googletest already there"
+elif [[ -d /usr/src/googletest ]]; then
+  cp -a /usr/src/googletest .deps/googletest
+  echo "googletest: .deps/googletest <- /usr/src/googletest"
+else
+  echo "googletest: /usr/src/googletest not here (apt install googletest); C++ tests on the GPU machine need it"
+fi
+
+# --- peer wheels (pure Python; the platform flags only select wheels for the GPU machine's Python 3.12)
+mkdir -p .deps/wheels
+for pkg in flash-linear-attention fla-core; do
+  stem=${pkg//-/_}
+  if compgen -G ".deps/wheels/${stem}-*.whl" >/dev/null; then
+    echo "wheels:     $(cd .deps/wheels && ls "${stem}"-*.whl | tr '\n' ' ')already there"
+    continue
+  fi
+  if ! python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any \
+         -d .deps/wheels "$pkg" 2>"$tmp/pip.err"; then
+    echo "wheels:     $pkg: no wheel for those platforms ($(tail -n 1 "$tmp/pip.err")); trying without platform flags"
+    python3 -m pip download -q --no-deps --only-binary=:all: -d .deps/wheels "$pkg"
+  fi
+  echo "wheels:     .deps/wheels/$(cd .deps/wheels && ls "${stem}"-*.whl | head -n 1) <- $pkg"
+done
+
+# --- the base tree of the A/B tools
+full=$(git rev-parse --verify "$BASE_COMMIT^{commit}")
+if [[ -d .deps/ab/base && $(cat .deps/ab/base.commit 2>/dev/null) == "$full" ]]; then
+  echo "ab base:    .deps/ab/base (git archive $BASE_COMMIT = ${full:0:12}) already there"
+else
+  rm -rf .deps/ab/base
+  mkdir -p .deps/ab/base
+  git archive "$full" | tar -x -C .deps/ab/base
+  echo "$full" >.deps/ab/base.commit
+  echo "ab base:    .deps/ab/base <- git archive $BASE_COMMIT (${full:0:12})"
+fi
+
+echo
+du -sh .deps/* | sed 's/^/  /'
+du -sh .deps | sed 's/^/  total /'
