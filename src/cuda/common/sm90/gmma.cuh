@@ -40,10 +40,18 @@ template <int COLS>
 using TileLayout = decltype(cute::tile_to_shape(gmma::Layout_K_SW128_Atom<cute::bfloat16_t>{},
                                                 cute::Shape<cute::_64, cute::Int<COLS>>{}));
 
-// Element offset of (r, c) in such a tile (the swizzle applied to element indices).
+// Element offset of (r, c) in such a tile: TileLayout in closed form (tests/cpp/cuda/test_sm90_layout.cu checks the two
+// agree at every coordinate). The copies into the stage tiles compute it on the recurrence's serial path, where CuTe's
+// general evaluation of the composed layout takes more instructions (docs/perf-notes.md).
 template <int COLS>
-__device__ __forceinline__ int tile_offset(int r, int c) {
-  return cute::as_position_independent_swizzle_layout(TileLayout<COLS>{})(r, c);
+__host__ __device__ constexpr int tile_offset(int r, int c) {
+  return (c >> 6) * 64 * 64 + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7);
+}
+
+// TileLayout as a layout of element offsets (the swizzle applied to element indices), for checks.
+template <int COLS>
+auto tile_layout_elements() {
+  return cute::as_position_independent_swizzle_layout(TileLayout<COLS>{});
 }
 
 // The matrix descriptors of a tile read as the B operand of MMAs of 16 k each, one per k-step:
