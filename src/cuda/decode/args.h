@@ -73,7 +73,6 @@ struct DecodeOneHead {
 struct DecodeArgs : DecodeOneHead, KdaArgs {
   // Inputs. q, k, v, g share one dtype (bf16, fp16 or fp32); beta has its own.
   TokenRows q, k, v, g, beta;
-  bool beta_cols = false;  // beta [B,T,HV,V] (one per value column) instead of [B,T,HV]
 
   // States. Slot rules as in src/cpu/state.h (plan_slots).
   StateRef initial, final_state;
@@ -95,6 +94,7 @@ struct DecodeArgs : DecodeOneHead, KdaArgs {
   int vtiles = 1;
   int passes = 1;
   bool stage_state = false;
+  bool beta_cols = false;  // beta [B,T,HV,V] (one per value column) instead of [B,T,HV]
   int tb = 16;
 };
 
