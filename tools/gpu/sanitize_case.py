@@ -15,6 +15,7 @@ for dtype, cut in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloa
     # merge and recurrence per segment).
     os.environ["KDAKIT_FORWARD_SEGMENTS"] = "3" if cut else "1"
     os.environ["KDAKIT_FORWARD_SEGMENT_TOKENS"] = "32"
+    kdakit._C.reload_overrides()  # the overrides are read once per process
     q, k = torch.rand(1, T, H, K, device="cuda", dtype=dtype), torch.rand(1, T, H, K, device="cuda", dtype=dtype)
     v, g = torch.rand(1, T, HV, V, device="cuda", dtype=dtype), torch.randn(1, T, HV, K, device="cuda", dtype=dtype)
     beta = torch.randn(1, T, HV, device="cuda", dtype=dtype)
