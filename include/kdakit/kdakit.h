@@ -38,9 +38,10 @@ Problem validate(const DecodeParams& p);
 // A validated and planned call of the chunked forward (or its backward): validation and planning run once, and the
 // workspace query and the launch read the same plan. Make it from params whose workspace fields are empty, allocate
 // workspace_size() bytes, then run(). A call may run several times (its params' tensors must stay alive).
-class ForwardCall {
+template <class Params>
+class PlannedCall {
  public:
-  explicit ForwardCall(const ForwardParams& p);
+  explicit PlannedCall(const Params& p);
   const Problem& problem() const;
   std::size_t workspace_size() const;
   void run(void* workspace, std::size_t workspace_bytes, void* stream = nullptr) const;
@@ -49,18 +50,10 @@ class ForwardCall {
  private:
   std::shared_ptr<const State> state_;
 };
-
-class BackwardCall {
- public:
-  explicit BackwardCall(const BackwardParams& p);
-  const Problem& problem() const;
-  std::size_t workspace_size() const;
-  void run(void* workspace, std::size_t workspace_bytes, void* stream = nullptr) const;
-  struct State;
-
- private:
-  std::shared_ptr<const State> state_;
-};
+using ForwardCall = PlannedCall<ForwardParams>;
+using BackwardCall = PlannedCall<BackwardParams>;
+extern template class PlannedCall<ForwardParams>;
+extern template class PlannedCall<BackwardParams>;
 
 // Scratch memory an op needs in `workspace` (bytes). Validates and plans the params.
 std::size_t forward_workspace_size(const ForwardParams& p);

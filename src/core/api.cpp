@@ -9,7 +9,6 @@
 
 #if defined(KDAKIT_WITH_CUDA)
 #include "cuda/backend.h"
-#include "cuda/tuning.h"
 #endif
 
 namespace kdakit {
@@ -28,15 +27,6 @@ void require_workspace(void* ws, std::size_t have, std::size_t need) {
   }
 }
 
-// A call's params carry no workspace: the call sizes it, and run() takes it.
-template <class P>
-void require_no_workspace(const P& p, const char* call) {
-  if (p.workspace != nullptr || p.workspace_bytes != 0) {
-    throw InvalidArgument("workspace", std::string("is passed to ") + call + "::run(), not in the params; got " +
-                                           std::to_string(p.workspace_bytes) + " bytes in the params");
-  }
-}
-
 // The params of a one-step op with their workspace fields moved out (checked as the validation checks them).
 template <class P>
 P without_workspace(const P& p) {
@@ -49,99 +39,110 @@ P without_workspace(const P& p) {
   return q;
 }
 
-}  // namespace
-
-struct ForwardCall::State {
-  ForwardParams p;
-  detail::Plan plan;
-  std::size_t workspace = 0;
+// What a planned call keeps of its backend's plan: the CUDA forward's launch plan; nothing else yet.
+template <class P>
+struct BackendPlan {};
 #if defined(KDAKIT_WITH_CUDA)
-  cuda::ForwardLaunch cuda;
-#endif
+template <>
+struct BackendPlan<ForwardParams> {
+  cuda::ForwardLaunch launch;
 };
-
-ForwardCall::ForwardCall(const ForwardParams& p) {
-  require_no_workspace(p, "ForwardCall");
-  auto s = std::make_shared<State>();
-  s->p = p;
-  s->plan = detail::plan_forward(p);
-  if (s->plan.pr.device == Device::kCPU) {
-    s->workspace = cpu::forward_workspace_size(p, s->plan);
-  } else {
-#if defined(KDAKIT_WITH_CUDA)
-    s->cuda = cuda::plan_forward(p, s->plan);
-    s->workspace = s->cuda.total;
-#else
-    cuda_not_built("forward");
 #endif
-  }
-  state_ = std::move(s);
-}
 
-const Problem& ForwardCall::problem() const { return state_->plan.pr; }
-std::size_t ForwardCall::workspace_size() const { return state_->workspace; }
+const char* call_name(const ForwardParams&) { return "ForwardCall"; }
+const char* call_name(const BackwardParams&) { return "BackwardCall"; }
+detail::Plan validate_call(const ForwardParams& p) { return detail::plan_forward(p); }
+detail::Plan validate_call(const BackwardParams& p) { return detail::plan_backward(p); }
 
-void ForwardCall::run(void* workspace, std::size_t workspace_bytes, void* stream) const {
-  const State& s = *state_;
-  require_workspace(workspace, workspace_bytes, s.workspace);
-  if (s.plan.pr.device == Device::kCPU) {
-    ForwardParams p = s.p;
-    p.workspace = workspace;
-    p.workspace_bytes = workspace_bytes;
-    cpu::forward_chunked(p, s.plan);
-    return;
-  }
+// The backend's plan of a call and the workspace it needs.
+std::size_t plan_backend(const ForwardParams& p, const detail::Plan& plan,
+                         [[maybe_unused]] BackendPlan<ForwardParams>& b) {
+  if (plan.pr.device == Device::kCPU) return cpu::forward_workspace_size(p, plan);
 #if defined(KDAKIT_WITH_CUDA)
-  cuda::forward(s.p, s.plan, s.cuda, workspace, workspace_bytes, stream);
+  b.launch = cuda::plan_forward(p, plan);
+  return b.launch.total;
 #else
-  (void)stream;
   cuda_not_built("forward");
 #endif
 }
 
-struct BackwardCall::State {
-  BackwardParams p;
-  detail::Plan plan;
-  std::size_t workspace = 0;
-};
-
-BackwardCall::BackwardCall(const BackwardParams& p) {
-  require_no_workspace(p, "BackwardCall");
-  auto s = std::make_shared<State>();
-  s->p = p;
-  s->plan = detail::plan_backward(p);
-  if (s->plan.pr.device == Device::kCPU) {
-    s->workspace = cpu::backward_workspace_size(p, s->plan);
-  } else {
+std::size_t plan_backend(const BackwardParams& p, const detail::Plan& plan, BackendPlan<BackwardParams>&) {
+  if (plan.pr.device == Device::kCPU) return cpu::backward_workspace_size(p, plan);
 #if defined(KDAKIT_WITH_CUDA)
-    s->workspace = cuda::backward_workspace_size(p, s->plan);
+  return cuda::backward_workspace_size(p, plan);
 #else
-    cuda_not_built("backward");
-#endif
-  }
-  state_ = std::move(s);
-}
-
-const Problem& BackwardCall::problem() const { return state_->plan.pr; }
-std::size_t BackwardCall::workspace_size() const { return state_->workspace; }
-
-void BackwardCall::run(void* workspace, std::size_t workspace_bytes, void* stream) const {
-  const State& s = *state_;
-  require_workspace(workspace, workspace_bytes, s.workspace);
-  BackwardParams p = s.p;
-  p.workspace = workspace;
-  p.workspace_bytes = workspace_bytes;
-  if (s.plan.pr.device == Device::kCPU) {
-    cpu::backward(p, s.plan);
-    return;
-  }
-#if defined(KDAKIT_WITH_CUDA)
-  cuda::backward(p, s.plan, stream);
-#else
-  (void)stream;
   cuda_not_built("backward");
 #endif
 }
+
+// Runs a call whose params now carry the workspace.
+void run_backend(const ForwardParams& p, const detail::Plan& plan, [[maybe_unused]] const BackendPlan<ForwardParams>& b,
+                 [[maybe_unused]] void* stream) {
+  if (plan.pr.device == Device::kCPU) return cpu::forward_chunked(p, plan);
+#if defined(KDAKIT_WITH_CUDA)
+  cuda::forward(p, plan, b.launch, p.workspace, p.workspace_bytes, stream);
+#else
+  cuda_not_built("forward");
+#endif
+}
+
+void run_backend(const BackwardParams& p, const detail::Plan& plan, const BackendPlan<BackwardParams>&,
+                 [[maybe_unused]] void* stream) {
+  if (plan.pr.device == Device::kCPU) return cpu::backward(p, plan);
+#if defined(KDAKIT_WITH_CUDA)
+  cuda::backward(p, plan, stream);
+#else
+  cuda_not_built("backward");
+#endif
+}
+
+}  // namespace
+
+template <class Params>
+struct PlannedCall<Params>::State {
+  Params p;
+  detail::Plan plan;
+  std::size_t workspace = 0;
+  BackendPlan<Params> backend;
+};
+
+template <class Params>
+PlannedCall<Params>::PlannedCall(const Params& p) {
+  // The call sizes the workspace and run() takes it: params that carry one would have it ignored.
+  if (p.workspace != nullptr || p.workspace_bytes != 0) {
+    throw InvalidArgument("workspace", std::string("is passed to ") + call_name(p) +
+                                           "::run(), not in the params; got " + std::to_string(p.workspace_bytes) +
+                                           " bytes in the params");
+  }
+  auto s = std::make_shared<State>();
+  s->p = p;
+  s->plan = validate_call(p);
+  s->workspace = plan_backend(p, s->plan, s->backend);
+  state_ = std::move(s);
+}
+
+template <class Params>
+const Problem& PlannedCall<Params>::problem() const {
+  return state_->plan.pr;
+}
+
+template <class Params>
+std::size_t PlannedCall<Params>::workspace_size() const {
+  return state_->workspace;
+}
+
+template <class Params>
+void PlannedCall<Params>::run(void* workspace, std::size_t workspace_bytes, void* stream) const {
+  const State& s = *state_;
+  require_workspace(workspace, workspace_bytes, s.workspace);
+  Params p = s.p;
+  p.workspace = workspace;
+  p.workspace_bytes = workspace_bytes;
+  run_backend(p, s.plan, s.backend, stream);
+}
+
+template class PlannedCall<ForwardParams>;
+template class PlannedCall<BackwardParams>;
 
 int64_t count_chunks(const std::vector<int64_t>& cu_seqlens, int chunk_size) {
   if (chunk_size <= 0) throw InvalidArgument("chunk_size", "must be positive, got " + std::to_string(chunk_size));

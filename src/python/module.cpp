@@ -185,6 +185,20 @@ void set_workspace(P& p, const TensorView& t) {
 
 void* stream_ptr(uintptr_t s) { return reinterpret_cast<void*>(s); }
 
+template <class Params>
+void bind_call(nb::module_& m, const char* name) {
+  nb::class_<PlannedCall<Params>>(m, name)
+      .def(nb::init<const Params&>(), nb::arg("params"))
+      .def_prop_ro("workspace_size", &PlannedCall<Params>::workspace_size)
+      .def(
+          "run",
+          [](const PlannedCall<Params>& c, const TensorView& ws, uintptr_t stream) {
+            c.run(ws.data, ws.present() ? static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype) : 0,
+                  stream_ptr(stream));
+          },
+          nb::arg("workspace"), nb::arg("stream") = 0, nb::call_guard<nb::gil_scoped_release>());
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -348,26 +362,8 @@ NB_MODULE(_C, m) {
   m.def("validate_backward", [](const BackwardParams& p) { return validate(p); });
   m.def("validate_decode", [](const DecodeParams& p) { return validate(p); });
   // A validated, planned call: its workspace size, then run (validation and planning once per call).
-  nb::class_<ForwardCall>(m, "ForwardCall")
-      .def(nb::init<const ForwardParams&>(), nb::arg("params"))
-      .def_prop_ro("workspace_size", &ForwardCall::workspace_size)
-      .def(
-          "run",
-          [](const ForwardCall& c, const TensorView& ws, uintptr_t stream) {
-            c.run(ws.data, ws.present() ? static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype) : 0,
-                  stream_ptr(stream));
-          },
-          nb::arg("workspace"), nb::arg("stream") = 0, nb::call_guard<nb::gil_scoped_release>());
-  nb::class_<BackwardCall>(m, "BackwardCall")
-      .def(nb::init<const BackwardParams&>(), nb::arg("params"))
-      .def_prop_ro("workspace_size", &BackwardCall::workspace_size)
-      .def(
-          "run",
-          [](const BackwardCall& c, const TensorView& ws, uintptr_t stream) {
-            c.run(ws.data, ws.present() ? static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype) : 0,
-                  stream_ptr(stream));
-          },
-          nb::arg("workspace"), nb::arg("stream") = 0, nb::call_guard<nb::gil_scoped_release>());
+  bind_call<ForwardParams>(m, "ForwardCall");
+  bind_call<BackwardParams>(m, "BackwardCall");
   m.def("forward_workspace_size", [](const ForwardParams& p) { return forward_workspace_size(p); });
   m.def("backward_workspace_size", [](const BackwardParams& p) { return backward_workspace_size(p); });
   m.def("forward", [](const ForwardParams& p, uintptr_t stream) { forward(p, stream_ptr(stream)); }, nb::arg("params"),

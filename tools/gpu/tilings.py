@@ -4,12 +4,12 @@
     python3 tools/gpu/tilings.py decode ["<row substring>" ...]                  (default: T1 N256 / N1024 rows)
 
 forward: kernel times (torch.profiler, per call, summed by kernel name) per recurrence tile width
-(KDAKIT_FORWARD_BV; the default first, then each width of --bv): checks `plan_forward_cuda` (src/cuda/backend.cu)
+(KDAKIT_FORWARD_BV; the default first, then each width of --bv): checks `plan_forward_launch` (src/cuda/forward/plan.cpp)
 and splits each row's time into its kernels.
 
 decode: time per launch shape (KDAKIT_DECODE_WARPS x KDAKIT_DECODE_PASSES: the default, then warps 2/4 x passes
 1/2/4), L2 flushed, medians of 20 CUDA-event timings (kdakit.bench.time_ms), and the best shape's share of the copy
-bandwidth: checks `decode` (src/cuda/backend.cu).
+bandwidth: checks `plan_decode_launch` (src/cuda/decode/plan.cpp).
 
 Forward rows are named as in kdakit.bench.FORWARD_SHAPES, decode rows as in kdakit.bench.decode_shapes().
 """

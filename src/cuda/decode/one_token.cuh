@@ -11,7 +11,6 @@
 namespace kdakit::cuda {
 namespace decode_detail {
 
-
 // The whole call for this CTA's tile (all its passes) when its sequence has at most one token; false (nothing done) when
 // it has more (varlen calls whose lengths the host could not read), for the general path to take over. Needs what
 // the host checked (DecodeConfig::one): K == KP, whole V tiles, vector-aligned token rows and states in the pool's
@@ -240,10 +239,9 @@ __device__ __forceinline__ bool decode_one_call(const DecodeOneArgs& o) {
 
 }  // namespace decode_detail
 
-
 // The one-token form's own entry, for calls in which the host knows every sequence has at most one token (fixed
-// T = 1, or lengths read on the host): it takes only the packed DecodeOneArgs (304 bytes instead of DecodeArgs'
-// 952), so its launch carries a small argument block, and holds no general path (no fall-back to size for).
+// T = 1, or lengths read on the host): it takes only the packed DecodeOneArgs (at most 192 bytes, DecodeArgs' first
+// bytes), so its launch carries a small argument block, and holds no general path (no fall-back to size for).
 template <typename PoolT, bool VK, int KP, bool STAGED>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 4) decode_one_kernel(const DecodeOneArgs o) {
   decode_detail::decode_one_call<PoolT, VK, KP, STAGED>(o);

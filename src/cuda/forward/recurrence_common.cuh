@@ -76,8 +76,6 @@ __device__ __forceinline__ void copy_ws_tile(Elem* dst, const Elem* src, int C) 
   }
 }
 
-// Rows [0, C) of a [C][KC] workspace tile into a swizzled stage tile (wgmma.cuh, bf16): each 8 lanes copy one
-
 // Rows [0, C) of a [C][KC] workspace tile into a tile of the warpgroup MMAs' swizzled layout (forward/recurrence_sm90.cuh).
 template <typename Elem, int KC, int NT>
 __device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int C);
