@@ -5,9 +5,15 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "cuda/device.h"
 #include "kdakit/kdakit.h"
 
 namespace kdakit::test {
+
+// Device facts the planner tests plan for: SMs, compute capability, opt-in shared memory per block.
+inline const cuda::DeviceInfo kH200{132, 90, 227 * 1024};
+inline const cuda::DeviceInfo kA100{108, 80, 163 * 1024};
+inline const cuda::DeviceInfo kAda{128, 89, 99 * 1024};
 
 // Each view gets its own 1 MB-aligned fake address (offset by `misalign` bytes).
 inline TensorView device_view(DType dtype, std::initializer_list<int64_t> shape, int64_t misalign = 0) {

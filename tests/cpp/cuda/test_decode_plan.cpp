@@ -21,9 +21,6 @@ using cuda::DecodeLaunch;
 using cuda::DeviceInfo;
 using cuda::Tuning;
 
-const DeviceInfo kH200{132, 90, 227 * 1024};
-const DeviceInfo kA100{108, 80, 163 * 1024};
-
 // The engines' decode step: N sequences of T tokens (batch form), a v-first pool of `slots` slots read and written in
 // place through int32 slot ids, bf16 inputs.
 struct DecodeCase {

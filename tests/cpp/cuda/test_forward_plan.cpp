@@ -20,10 +20,6 @@ using cuda::DeviceInfo;
 using cuda::ForwardLaunch;
 using cuda::Tuning;
 
-const DeviceInfo kH200{132, 90, 227 * 1024};
-const DeviceInfo kA100{108, 80, 163 * 1024};
-const DeviceInfo kAda{128, 89, 99 * 1024};
-
 struct ForwardCase {
   DeviceInputs x;
   ForwardParams p;
