@@ -48,8 +48,13 @@ struct KdaInputs {
 };
 
 // Where states come from and go to. Sequence n reads initial_state[slot(n)] and writes
-// final_state[slot(n)], with slot(n) = n without indices and state_indices[n] with them; a slot of -1
-// neither reads nor writes (the sequence starts from zero and its final state is dropped).
+// final_state[slot(n)], with slot(n) = n without indices and state_indices[n] with them.
+// Padding (CUDA-graph batches, spec §1.7): a slot equal to pad_slot_id, or negative, is padding. A sequence whose
+// slot is padding reads and writes no state and its outputs are zeros; a per-token write slot (2-D indices) that
+// is padding is skipped. Slot ids on the device that lie outside the pool are treated as padding (checking them
+// would need a synchronisation); host-visible ones raise. state_indices, has_initial_state and num_accepted_tokens
+// may have more rows than sequences (the extra rows are ignored), and with cu_seqlens the tokens past cu_seqlens[N]
+// are padding (zero outputs).
 // Passing the same tensor as initial and final state updates a state pool in place.
 struct StateIO {
   StateLayout layout = StateLayout::kKV;
@@ -57,6 +62,7 @@ struct StateIO {
   TensorView final_state;        // optional, same shape rules and dtypes
   TensorView state_indices;      // optional int32/int64: [N] (forward, decode) or [N,T_max] (decode)
   TensorView has_initial_state;  // optional [N] bool/uint8/int32/int64: false starts from zero
+  int64_t pad_slot_id = -1;      // >= -1; -1 (the default) or vLLM's NULL_BLOCK_ID 0
 };
 
 struct ForwardParams {
