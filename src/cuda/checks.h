@@ -6,7 +6,7 @@
 
 namespace kdakit::cuda {
 
-// q, k, v, g of one dtype, bfloat16, float16 or float32; beta, A_log and dt_bias not float64.
+// q, k and v of one dtype, bfloat16, float16 or float32; g, beta, A_log and dt_bias each of those three.
 void require_kernel_dtypes(const KdaInputs& in);
 
 }  // namespace kdakit::cuda

@@ -20,6 +20,10 @@ ForwardSmem forward_smem(DType in, const ForwardConfig& cfg) {
 ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& plan, const DeviceInfo& device,
                                   const Tuning& tuning) {
   require_kernel_dtypes(p.in);
+  if (p.in.g.dtype != p.in.q.dtype) {
+    throw InvalidArgument("g", std::string("the CUDA forward reads g in the dtype of q, k and v (") +
+                                   dtype_name(p.in.q.dtype) + "), got " + dtype_name(p.in.g.dtype));
+  }
   const Problem& pr = plan.pr;
   ForwardLaunch fp;
   fp.cfg.chunk = p.chunk_size;

@@ -169,7 +169,7 @@ TEST(DecodePlan, ErrorsNameTheArgument) {
   expect_invalid(heads, "v", "at most 65535 value heads");
   DecodeCase mixed(4, 1, 2, 2);
   mixed.p.in.v.dtype = DType::kFloat16;
-  expect_invalid(mixed, "v", "one dtype");
+  expect_invalid(mixed, "v", "q, k and v of one dtype");
 }
 
 }  // namespace

@@ -203,7 +203,7 @@ TEST(ForwardPlan, RejectsInputDtypesTheKernelsDoNotTake) {
     ADD_FAILURE() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
     EXPECT_EQ(e.argument(), "g");
-    EXPECT_NE(std::string(e.what()).find("one dtype (bfloat16), got float32"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("in the dtype of q, k and v (bfloat16), got float32"), std::string::npos) << e.what();
   }
 }
 
