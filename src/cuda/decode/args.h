@@ -32,13 +32,18 @@ struct DecodeOneArgs {
   OneRows q, k, g, v, beta, out;                     // q, k: head h = hv >> group_shift (or hv / group)
   const float* A_log = nullptr;                      // [HV] float32, or absent
   const float* dt_bias = nullptr;                    // [HV * K] float32 (16-byte aligned), or absent
-  const int* state_indices = nullptr;                // [N] int32, or absent (slot n)
+  const void* state_indices = nullptr;               // [>= N] int32 or int64 (kIdx64), or absent (slot n)
   const int* cu_seqlens = nullptr;                   // [N + 1] int32, or absent (fixed length: at most one token)
   const void* initial = nullptr;                     // pool dtype, or absent
   void* final_state = nullptr;
   const void* has_initial_state = nullptr;           // [N] any integer/bool dtype (rare: read through DynPtr)
-  int initial_slot_stride = 0, final_slot_stride = 0;  // elements; head hv's block starts hv * KP * V further
-  int initial_slots = 0, final_slots = 0;
+  // Both states' slot stride (elements; the host checked they agree); head hv's block starts hv * KP * V further.
+  int slot_stride = 0;
+  int slots = 0;     // the pool's slots: ids outside [0, slots) are padding
+  int pad_slot = -1;  // StateIO::pad_slot_id
+  // cu_seqlens: the tokens of the inputs when the last CTA row (blockIdx.x == N) zeroes the padded tail [cu[N], tokens);
+  // 0: no tail CTA.
+  int tokens = 0;
   float scale = 1.f, lower_bound = -5.f;
   uint16_t idx_stride = 0, cu_stride = 0, has_stride = 0;
   uint16_t group = 1;
@@ -48,12 +53,17 @@ struct DecodeOneArgs {
   uint16_t prefetch_ahead = 0;
   int8_t group_shift = -1;
   uint8_t passes = 1;  // column groups per CTA tile; > 1: the state is staged in shared memory (cp.async)
-  uint8_t dtypes = 0;  // q, k, g, v, beta and out (bits 0-3), has_initial_state (bits 4-7): DType values
+  // Bits 0-1: q, k, v and out's DType; kSide32: g and beta are float32 (else q's dtype); kIdx64: int64 slot ids;
+  // bits 4-7: has_initial_state's DType.
+  uint8_t dtypes = 0;
   uint8_t flags = 0;   // gate mode (bits 0-1) and the kFlag bits below
 
+  static constexpr uint8_t kSide32 = 4, kIdx64 = 8;
   static constexpr uint8_t kL2Norm = 4, kBetaSigmoid = 8, kNegEigval = 16, kBetaCols = 32;
   static constexpr uint8_t kOneToken = 64;  // fixed length T = 1 (else 0; with cu_seqlens: unused)
-  __host__ __device__ DType in_dtype() const { return static_cast<DType>(dtypes & 15); }
+  __host__ __device__ DType in_dtype() const { return static_cast<DType>(dtypes & 3); }
+  __host__ __device__ bool side32() const { return (dtypes & kSide32) != 0; }
+  __host__ __device__ bool idx64() const { return (dtypes & kIdx64) != 0; }
   __host__ __device__ DType has_dtype() const { return static_cast<DType>(dtypes >> 4); }
   __host__ __device__ int gate_mode() const { return flags & 3; }
   __host__ __device__ bool l2norm() const { return (flags & kL2Norm) != 0; }
@@ -61,6 +71,16 @@ struct DecodeOneArgs {
   __host__ __device__ bool neg_eigval() const { return (flags & kNegEigval) != 0; }
   __host__ __device__ bool beta_cols() const { return (flags & kBetaCols) != 0; }
   __host__ __device__ int T() const { return (flags & kOneToken) != 0 ? 1 : 0; }
+  // Slot n's id (int32 or int64 indices; ids beyond int32 are outside any pool the form takes: padding).
+  __device__ __forceinline__ int slot_of(int n) const {
+    if (idx64()) {
+      const int64_t s = __ldg(static_cast<const long long*>(state_indices) + int64_t(n) * idx_stride);
+      return s >= 0 && s < slots ? static_cast<int>(s) : -1;
+    }
+    return __ldg(static_cast<const int*>(state_indices) + n * int(idx_stride));
+  }
+  // Whether a slot id reads and writes nothing (StateIO's padding rule).
+  __device__ __forceinline__ bool padding(int slot) const { return slot < 0 || slot == pad_slot || slot >= slots; }
 };
 static_assert(sizeof(DecodeOneArgs) <= 192, "DecodeOneArgs: at most 192 bytes (see above)");
 
@@ -71,7 +91,7 @@ struct DecodeOneHead {
 };
 
 struct DecodeArgs : DecodeOneHead, KdaArgs {
-  // Inputs. q, k, v, g share one dtype (bf16, fp16 or fp32); beta has its own.
+  // Inputs. q, k, v share one dtype (bf16, fp16 or fp32); g and beta have their own.
   TokenRows q, k, v, g, beta;
 
   // States. Slot rules as in src/cpu/state.h (plan_slots).
@@ -87,6 +107,9 @@ struct DecodeArgs : DecodeOneHead, KdaArgs {
   int64_t has_stride = 0;
 
   TokenRows out;  // [B,T,HV,V]
+  int64_t pad_slot = -1;  // StateIO::pad_slot_id
+  // cu_seqlens: the CTA row blockIdx.x == N zeroes the outputs of the padded token tail [cu[N], T) (tail_cta).
+  bool tail_cta = false;
 
   // Tiling: the grid is N * HV * vtiles CTAs of 32 * warps threads; a CTA tile is passes * 8 * warps value
   // columns, processed 8 * warps columns per pass; tokens are staged tb at a time. stage_state: the initial state

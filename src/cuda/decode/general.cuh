@@ -56,7 +56,8 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
 
   extern __shared__ __align__(16) char smem[];
   const int tb = a.tb;
-  const int es = a.q.dtype == DType::kFloat32 ? 4 : 2, bes = a.beta.dtype == DType::kFloat32 ? 4 : 2;
+  const int es = a.q.dtype == DType::kFloat32 ? 4 : 2, ges = a.g.dtype == DType::kFloat32 ? 4 : 2,
+            bes = a.beta.dtype == DType::kFloat32 ? 4 : 2;
   const DecodeSmem lay(KP, tb, bvt,
                        stage_state ? decode_state_tile_bytes(KP, int(sizeof(PoolT)), nthreads, passes) : 0);
   float* sQ = reinterpret_cast<float*>(smem + lay.q);     // [tb][KP] q * scale / |q|
@@ -67,14 +68,16 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   float* sQK = reinterpret_cast<float*>(smem + lay.qk);   // [tb] q.k (normalised, scaled)
   int* sSlot = reinterpret_cast<int*>(smem + lay.slot);   // [tb] per-token slot (2-D indices)
   char* sState = smem + lay.state + size_t(tid) * 16;     // this thread's staged state vectors
-  const DType in_dt = a.q.dtype;
+  const DType in_dt = a.q.dtype, g_dt = a.g.dtype;
 
   // Per-sequence scalars: every load is issued before any is used. Slot rules: src/cpu/state.h (plan_slots).
+  // tail: the CTA row past the sequences, which zeroes the outputs of the padded token tail [cu[N], T).
+  const bool tail = a.tail_cta && n == a.N;
   const bool idx2d = a.state_indices.present() && a.idx_2d;
   const bool per_token = idx2d && a.final_state.present();  // 2-D indices write the state after every token
-  const int64_t slot1 = a.state_indices.present() && !idx2d ? a.state_indices.load_int(n * a.idx_s0) : n;
-  const int64_t acc = idx2d && a.num_accepted.present() ? a.num_accepted.load_int(n * a.acc_stride) : 1;
-  const int64_t has = a.has_initial_state.present() ? a.has_initial_state.load_int(n * a.has_stride) : 1;
+  const int64_t slot1 = a.state_indices.present() && !idx2d && !tail ? a.state_indices.load_int(n * a.idx_s0) : n;
+  const int64_t acc = idx2d && a.num_accepted.present() && !tail ? a.num_accepted.load_int(n * a.acc_stride) : 1;
+  const int64_t has = a.has_initial_state.present() && !tail ? a.has_initial_state.load_int(n * a.has_stride) : 1;
   // The head's gate parameters, into registers now (they go to shared memory once the state's copies are issued):
   // in flight with the slot loads, not after them.
   constexpr int NBIAS = KP / 32;  // dt_bias values per thread (CTAs have 32 threads or more)
@@ -87,7 +90,13 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   }
   const float alog_r = tid == 0 && a.A_log.present() ? a.A_log.load(hv) : 0.f;
   int64_t b64, t064, len64;
-  sequence(a, n, b64, t064, len64);
+  if (tail) {
+    b64 = 0;
+    t064 = a.cu_seqlens.load_int(int64_t(a.N) * a.cu_stride);
+    len64 = t064 < a.T ? a.T - t064 : 0;
+  } else {
+    sequence(a, n, b64, t064, len64);
+  }
   const int b = static_cast<int>(b64), t0 = static_cast<int>(t064), len = static_cast<int>(len64);  // < 2^31
 
   // Step 1 of a token batch: raw inputs into shared memory by asynchronous copies, all in flight at once, committed
@@ -104,7 +113,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
       const bool rows_k = i < 3;  // q, k, g: K columns; v, beta: the tile's columns
       const TokenRows& t = i == 0 ? a.q : i == 1 ? a.k : i == 2 ? a.g : i == 3 ? a.v : a.beta;
       const size_t off = i == 0 ? lay.q : i == 1 ? lay.k : i == 2 ? lay.a : i == 3 ? lay.v : lay.beta;
-      stage_rows(smem + off, t, i == 4 ? bes : es, i == 0 || i == 1 ? h : hv, b, s0, nb, rows_k ? 0 : col0,
+      stage_rows(smem + off, t, i == 4 ? bes : i == 2 ? ges : es, i == 0 || i == 1 ? h : hv, b, s0, nb, rows_k ? 0 : col0,
                  rows_k ? KP : bvt, rows_k ? Kc : Vc, lane, 32);
     }
     if (!a.beta_cols && tid < nb) {  // one value per head, activated in step 2
@@ -113,7 +122,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
     if (per_token && tid < nb) {
       const int64_t t = i0 + tid;  // ids outside the pool: no write (as -1)
       const int64_t w = t < a.idx_cols ? a.state_indices.load_int(n * a.idx_s0 + t * a.idx_s1) : -1;
-      tok_slot = w >= 0 && w < a.final_state.slots ? static_cast<int>(w) : -1;
+      tok_slot = w >= 0 && w < a.final_state.slots && w != a.pad_slot ? static_cast<int>(w) : -1;
     }
     cp_async_commit();
   };
@@ -126,11 +135,34 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   };
   if (len > 0) stage(0, static_cast<int>(len < tb ? len : tb));  // before the state: it does not wait for the slots
 
-  // The slots. Ids outside the pool are treated like -1 (no read, no write): the host cannot check device-side
-  // indices without a synchronisation.
+  // The slots. A sequence whose (read) slot is padding -- pad_slot, negative, or outside the pool (the host cannot
+  // check device-side ids without a synchronisation) -- reads and writes no state and its outputs are zeros.
   int64_t rslot64 = slot1, wslot64 = idx2d ? -1 : slot1;
   if (idx2d) rslot64 = acc >= 1 && acc <= a.idx_cols ? a.state_indices.load_int(n * a.idx_s0 + (acc - 1) * a.idx_s1) : -1;
-  if (!a.initial.present() || rslot64 < 0 || rslot64 >= a.initial.slots || has == 0) rslot64 = -1;
+  bool pad = tail;
+  if (a.state_indices.present()) {
+    const int64_t pool_slots = a.initial.present() ? a.initial.slots : a.final_state.slots;
+    pad = pad || rslot64 < 0 || rslot64 == a.pad_slot || rslot64 >= pool_slots;
+  }
+  if (pad) {
+    cp_async_wait(0);  // the token rows' copies land before the CTA's shared memory is released
+    for (int e = tid; e < len * bvt; e += nthreads) {
+      const int r = e / bvt, c = e - r * bvt;
+      if (col0 + c < a.V) a.out.store(a.out.offset(b, int64_t(t0) + r, hv) + col0 + c, 0.f);
+    }
+    if (a.token_states.present()) {  // rows of a padding sequence's tokens hold zeros
+      const int ncols = a.V - col0 < bvt ? a.V - col0 : bvt;
+      for (int r = 0; r < len; ++r) {
+        const int64_t blk = a.token_states.block(int64_t(b) * a.T + t0 + r, hv);
+        for (int e = tid; e < a.K * ncols; e += nthreads) {
+          const int d = e / ncols, c = col0 + (e - d * ncols);
+          a.token_states.store(blk + (VK ? int64_t(c) * a.K + d : int64_t(d) * a.V + c), 0.f);
+        }
+      }
+    }
+    return;
+  }
+  if (!a.initial.present() || has == 0) rslot64 = -1;
   if (!a.final_state.present() || wslot64 < 0 || wslot64 >= a.final_state.slots) wslot64 = -1;
   const int rslot = static_cast<int>(rslot64), wslot = static_cast<int>(wslot64);  // -1 or a slot of the pool (int32)
   const bool has_src = rslot >= 0;
@@ -240,10 +272,10 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
             if (lane == 0) sQK[tt] = qk * qs * nk;
           } else if (kind == 1) {
             float* g = sA + tt * KP;
-            const char* rg = reinterpret_cast<const char*>(g) + (4 - es) * KP;
+            const char* rg = reinterpret_cast<const char*>(g) + (4 - ges) * KP;
             float x[KL];
 #pragma unroll
-            for (int i = 0; i < KL; ++i) x[i] = raw_at(rg, in_dt, lane + 32 * i);
+            for (int i = 0; i < KL; ++i) x[i] = raw_at(rg, g_dt, lane + 32 * i);
             const GateLog2 gate(a.gate_mode, *sAlog, a.A_log.present(), a.lower_bound);
             __syncwarp();
 #pragma unroll
@@ -288,25 +320,21 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
         const float* q = sQ + tt * KP;
         const float* k = sK + tt * KP;
         const float* g = sA + tt * KP;
-        float pk[NJ], pq[NJ];
-        token_sums<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
+        const int64_t s = int64_t(t0) + i0 + tt;
+        const float qk = sQK[tt];
+        const int64_t orow = a.out.offset(b, s, hv) + col0;
+        float e[NJ];
+        token_sums_e<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
           const int d = key_of<L, VK>(dd, lane);
           load_keys<GRP>(g + d, g_);
           load_keys<GRP>(k + d, k_);
           load_keys<GRP>(q + d, q_);
-        }, pk, pq);
-        const int64_t s = int64_t(t0) + i0 + tt;
-        const float qk = sQK[tt];
-        // After the butterfly every lane of a column group holds the sums; the group's first lane stores o.
-        const bool leader = VK ? (lane & 7) == 0 : lane < L::LV;
-        const int64_t orow = a.out.offset(b, s, hv) + col0;
-        float e[NJ];
-#pragma unroll
-        for (int jj = 0; jj < NJ; ++jj) {
+        }, [&](int jj, float pk, float pq, bool store) {
           const int cl = pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane);  // column within the CTA tile
-          e[jj] = sB[tt * bvt + cl] * (sV[tt * bvt + cl] - pk[jj]);
-          if (leader && col0 + cl < Vc) a.out.store(orow + cl, fmaf(qk, e[jj], pq[jj]));
-        }
+          const float ej = sB[tt * bvt + cl] * (sV[tt * bvt + cl] - pk);
+          if (store && col0 + cl < Vc) a.out.store(orow + cl, fmaf(qk, ej, pq));
+          return ej;
+        }, e);
         token_update<L>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_of<L, VK>(dd, lane), k_); }, e);
         if (a.token_states.present()) {
           store_block<PoolT, L, VK, FULL>(S, a.token_states, a.token_states.block(int64_t(b) * a.T + s, hv), pl);

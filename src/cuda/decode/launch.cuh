@@ -14,7 +14,8 @@ namespace kdakit::cuda {
 
 template <typename PoolT, bool VK, int KP>
 void launch_decode_kernel(const DecodeArgs& a, const DecodeConfig& cfg, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(a.N), static_cast<unsigned>(a.HV), static_cast<unsigned>(a.vtiles));
+  const dim3 grid(static_cast<unsigned>(a.N) + (a.tail_cta ? 1u : 0u), static_cast<unsigned>(a.HV),
+                  static_cast<unsigned>(a.vtiles));
   auto kernel = cfg.full ? decode_kernel<PoolT, VK, KP, true, false> : decode_kernel<PoolT, VK, KP, false, false>;
   bool one_entry = false;
   if constexpr (KP <= 128) {

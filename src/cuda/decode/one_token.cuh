@@ -20,19 +20,23 @@ namespace decode_detail {
 // A sequence's scalars for the one-token form, loaded before anything waits (int32 slot ids and cu_seqlens: the
 // host checked). The slot's load starts the chain slot -> state -> token math, so it is the kernel's first load.
 // row: the token tensors' row of its token (OneRows): the token with cu_seqlens, the batch row n otherwise.
+// pad: the sequence is padding (its slot is, or it is the padded token tail): zero outputs, no state.
 struct OneTokenSeq {
   int slot1, has, row, len;
+  bool pad;
   __device__ __forceinline__ explicit OneTokenSeq(const DecodeOneArgs& o) {
     const int n = static_cast<int>(blockIdx.x);
-    slot1 = o.state_indices != nullptr ? __ldg(o.state_indices + n * int(o.idx_stride)) : n;
+    const bool tail = o.tokens > 0 && n == static_cast<int>(gridDim.x) - 1;  // the padded token tail's CTA row
+    slot1 = o.state_indices != nullptr && !tail ? o.slot_of(n) : n;
+    pad = tail || (o.state_indices != nullptr && o.padding(slot1));
     has = 1;
-    if (o.has_initial_state != nullptr) {
+    if (o.has_initial_state != nullptr && !tail) {
       has = static_cast<int>(
           DynPtr{const_cast<void*>(o.has_initial_state), o.has_dtype()}.load_int(n * int(o.has_stride)));
     }
     if (o.cu_seqlens != nullptr) {
       row = __ldg(o.cu_seqlens + n * int(o.cu_stride));
-      len = __ldg(o.cu_seqlens + (n + 1) * int(o.cu_stride)) - row;
+      len = (tail ? o.tokens : __ldg(o.cu_seqlens + (n + 1) * int(o.cu_stride))) - row;
     } else {
       row = n;
       len = o.T();
@@ -40,7 +44,17 @@ struct OneTokenSeq {
   }
 };
 
-template <typename PoolT, bool VK, int KP, bool STAGED, typename In>
+// A padding sequence's outputs: zeros at this CTA's columns of its len rows.
+template <typename In>
+__device__ __forceinline__ void zero_rows(const DecodeOneArgs& o, int row, int len, int hv, int col0, int ncols) {
+  for (int e = threadIdx.x; e < len * ncols; e += blockDim.x) {
+    const int r = e / ncols, c = e - r * ncols;
+    static_cast<In*>(o.out.p)[o.out.offset(row + r, hv) + col0 + c] = from_float<In>(0.f);
+  }
+}
+
+// Side: g and beta's element type (In, or float32 next to 16-bit inputs).
+template <typename PoolT, bool VK, int KP, bool STAGED, typename In, typename Side>
 __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const OneTokenSeq& sq_) {
   using L = Tile<PoolT, VK, KP>;
   constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL;
@@ -60,6 +74,10 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   // Token inputs: every load is issued before any is used (the inputs' offsets do not depend on the slot; with
   // cu_seqlens they wait for the sequence's start).
   const int slot1 = sq_.slot1, has = sq_.has, row = sq_.row, len = sq_.len;
+  if (sq_.pad) {
+    zero_rows<In>(o, row, len, hv, static_cast<int>(blockIdx.z) * bv * passes, bv * passes);
+    return true;
+  }
   LaterTile later;
   if constexpr (STAGED) later.locate<VK, KP>(o);
   if (len > 1) return false;
@@ -68,14 +86,22 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   const int dd0 = VK ? (lane >> 3) * QN : 0;  // the first of this thread's gate keys (slot index)
   const int gkey = key_of<L, VK>(dd0, lane);
   float alog = 0.f;
-  const In *v = nullptr, *bt = nullptr;
+  const In* v = nullptr;
+  const Side* bt = nullptr;
   // v and beta at this thread's columns of pass p (loaded one pass ahead of their use).
+  // [K,V]: only the column whose e this lane computes (KvScatter::slot), in slot 0.
   auto load_v_beta = [&](int p, float (&xv_)[NJ], float (&xb_)[NJ]) {
+    if constexpr (VK) {
 #pragma unroll
-    for (int jj = 0; jj < NJ; ++jj) {
-      const int c = p * bv + col_of<L, VK>(jj, lane);
-      xv_[jj] = to_float(__ldg(v + c));
-      xb_[jj] = to_float(__ldg(bt + (o.beta_cols() ? c : 0)));
+      for (int jj = 0; jj < NJ; ++jj) {
+        const int c = p * bv + col_of<L, VK>(jj, lane);
+        xv_[jj] = to_float(__ldg(v + c));
+        xb_[jj] = to_float(__ldg(bt + (o.beta_cols() ? c : 0)));
+      }
+    } else {
+      const int c = p * bv + col_of<L, VK>(KvScatter<L>::slot(lane), lane);
+      xv_[0] = to_float(__ldg(v + c));
+      xb_[0] = to_float(__ldg(bt + (o.beta_cols() ? c : 0)));
     }
   };
   if (tok) {
@@ -94,7 +120,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       nq_raw[i] = to_float(__ldg(q + lane + 32 * i));
       nk_raw[i] = to_float(__ldg(k + lane + 32 * i));
     }
-    load_run<QN>(static_cast<const In*>(o.g.p) + o.g.offset(row, hv) + gkey, xg);
+    load_run<QN>(static_cast<const Side*>(o.g.p) + o.g.offset(row, hv) + gkey, xg);
     if (o.gate_mode() != 0 && o.dt_bias != nullptr) {
       load_run<QN>(o.dt_bias + hv * KP + gkey, bias);
     } else {
@@ -103,7 +129,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     }
     alog = o.A_log != nullptr ? __ldg(o.A_log + hv) : 0.f;
     v = static_cast<const In*>(o.v.p) + o.v.offset(row, hv) + wcol0;
-    bt = static_cast<const In*>(o.beta.p) + o.beta.offset(row, hv) + (o.beta_cols() ? wcol0 : 0);
+    bt = static_cast<const Side*>(o.beta.p) + o.beta.offset(row, hv) + (o.beta_cols() ? wcol0 : 0);
     load_v_beta(0, xv, xb);
   }
 
@@ -112,15 +138,15 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   // into this thread's own slots of shared memory (one group per pass), so the bytes in flight are bounded by
   // shared memory rather than registers, and cp.async.wait_group alone orders them (the general form's staged
   // tile, without its barrier).
-  const int rslot = o.initial == nullptr || slot1 < 0 || slot1 >= o.initial_slots || has == 0 ? -1 : slot1;
-  const int wslot = o.final_state == nullptr || slot1 < 0 || slot1 >= o.final_slots ? -1 : slot1;
+  const int rslot = o.initial == nullptr || has == 0 ? -1 : slot1;  // not padding: a slot of the pool (or n)
+  const int wslot = o.final_state == nullptr ? -1 : slot1;
   const Place pf = place_of<L, VK>(KP, o.V, wcol0, lane);
   auto place = [&](int p) {  // pass p: bv columns further (VK: rows of K elements; [K,V]: elements)
     return Place{pf.off + p * bv * (VK ? KP : 1), pf.step, 1 << 20, 1 << 20};
   };
   const size_t head_block = size_t(hv) * KP * o.V;  // dense heads (the host checked)
   const PoolT* src =
-      rslot >= 0 ? static_cast<const PoolT*>(o.initial) + int64_t(rslot) * o.initial_slot_stride + head_block : nullptr;
+      rslot >= 0 ? static_cast<const PoolT*>(o.initial) + int64_t(rslot) * o.slot_stride + head_block : nullptr;
   extern __shared__ __align__(16) char one_smem[];
   char* staged = one_smem + size_t(tid) * 16;  // this thread's slots
   const int pass_bytes = L::NVEC * static_cast<int>(blockDim.x) * 16;
@@ -170,7 +196,6 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       else gv[dd] = gq[dd];
     }
   }
-  const bool leader = VK ? (lane & 7) == 0 : lane < L::LV;
   const int orow = tok ? o.out.offset(row, hv) + wcol0 : 0;
 
   for (int p = 0; p < passes; ++p) {
@@ -187,35 +212,39 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     if (tok) {
       // The token: S *= exp(g); kS and qS in one pass; e = beta (v - kS); o = qS + (q.k) e; S += k e^T.
       constexpr int GRP = L::GRP;
-      float pk[NJ], pq[NJ];
-      token_sums<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
+      float e[NJ];
+      token_sums_e<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
 #pragma unroll
         for (int i = 0; i < GRP; ++i) {
           q_[i] = xq[dd + i];
           k_[i] = xk[dd + i];
           g_[i] = gv[dd + i];
         }
-      }, pk, pq);
-      float e[NJ];
-#pragma unroll
-      for (int jj = 0; jj < NJ; ++jj) {
-        e[jj] = beta_fast(xb[jj], o.beta_sigmoid(), o.neg_eigval()) * (xv[jj] - pk[jj]);
-        if (leader) {
-          static_cast<In*>(o.out.p)[orow + p * bv + col_of<L, VK>(jj, lane)] = from_float<In>(fmaf(qkn, e[jj], pq[jj]));
+      }, [&](int jj, float pk, float pq, bool store) {
+        float xvj, xbj;
+        if constexpr (VK) {
+          xvj = xv[jj];
+          xbj = xb[jj];
+        } else {
+          xvj = xv[0];
+          xbj = xb[0];
         }
-      }
+        const float ej = beta_fast(xbj, o.beta_sigmoid(), o.neg_eigval()) * (xvj - pk);
+        if (store) static_cast<In*>(o.out.p)[orow + p * bv + col_of<L, VK>(jj, lane)] = from_float<In>(fmaf(qkn, ej, pq));
+        return ej;
+      }, e);
       token_update<L>(S, [&](int dd, float (&k_)[GRP]) {
 #pragma unroll
         for (int i = 0; i < GRP; ++i) k_[i] = xk[dd + i];
       }, e);
     }
     if (wslot >= 0) {
-      store_block_t<PoolT, L, VK>(S, static_cast<PoolT*>(o.final_state) + int64_t(wslot) * o.final_slot_stride +
+      store_block_t<PoolT, L, VK>(S, static_cast<PoolT*>(o.final_state) + int64_t(wslot) * o.slot_stride +
                                          head_block, place(p), true);
     }
     if (tok && p + 1 < passes) {
 #pragma unroll
-      for (int jj = 0; jj < NJ; ++jj) {
+      for (int jj = 0; jj < (VK ? NJ : 1); ++jj) {
         xv[jj] = nv[jj];
         xb[jj] = nb[jj];
       }
@@ -232,9 +261,15 @@ template <typename PoolT, bool VK, int KP, bool STAGED>
 __device__ __forceinline__ bool decode_one_call(const DecodeOneArgs& o) {
   const OneTokenSeq seq(o);  // before the dispatch, which waits for a kernel parameter
   const DType in_dt = o.in_dtype();
-  return in_dt == DType::kBFloat16 ? decode_one_token<PoolT, VK, KP, STAGED, __nv_bfloat16>(o, seq)
-         : in_dt == DType::kFloat16 ? decode_one_token<PoolT, VK, KP, STAGED, __half>(o, seq)
-                                    : decode_one_token<PoolT, VK, KP, STAGED, float>(o, seq);
+  if (in_dt == DType::kBFloat16) {
+    return o.side32() ? decode_one_token<PoolT, VK, KP, STAGED, __nv_bfloat16, float>(o, seq)
+                      : decode_one_token<PoolT, VK, KP, STAGED, __nv_bfloat16, __nv_bfloat16>(o, seq);
+  }
+  if (in_dt == DType::kFloat16) {
+    return o.side32() ? decode_one_token<PoolT, VK, KP, STAGED, __half, float>(o, seq)
+                      : decode_one_token<PoolT, VK, KP, STAGED, __half, __half>(o, seq);
+  }
+  return decode_one_token<PoolT, VK, KP, STAGED, float, float>(o, seq);
 }
 
 }  // namespace decode_detail

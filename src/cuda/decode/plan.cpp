@@ -80,10 +80,15 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
   if (tuning.decode_warps) warps = tuning.decode_warps;  // developer override; results do not change
   cfg.warps = warps;
   const int bv = warps * kDecodeWarpCols;
-  // Tokens staged at a time: the longest sequence when known (any sequence is at most T long), up to 16.
+  // Tokens staged at a time: the longest sequence when known (any sequence is at most T long), up to 16. Device-side
+  // cu_seqlens of at most one token per sequence on average (T <= N: the engines' varlen decode) stage one token at a
+  // time: the staging then leaves room for the state tile of the one-token form, and a longer sequence, if any, is
+  // staged token by token.
+  const bool count_one = pr.varlen && !plan.cu_known && pr.T <= pr.N;
   const int64_t longest = plan.cu_known ? plan.max_len : pr.T;
   const int tb_max = cfg.KP <= 128 ? 16 : 8;
-  d.tb = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(longest, tb_max)));
+  d.tb = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(count_one ? 1 : longest, tb_max)));
+  d.tail_cta = pr.varlen && !(plan.cu_known && !plan.cu.empty() && plan.cu.back() == pr.T);
   // The state tile is staged in shared memory (cp.async, all issued up front) where the pool allows 16-byte copies,
   // so the loads in flight per SM are bounded by shared memory, not registers. Passes: a CTA tile of up to 32 KB of
   // state (2 x 32 fp32 or 4 x 32 bf16 columns of K = 128), which puts >= 128 KB of loads in flight per SM, where the
@@ -110,7 +115,7 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
   // One token per sequence (serving decode): the register-prepared form, where its conditions hold
   // (DecodeConfig::one). Without known lengths (device cu_seqlens) a call of at most N tokens still takes it; a
   // longer sequence's CTAs then run the general path in the same launch, with the same tile. Its tile: below.
-  const bool at_most_one = longest <= 1 || (pr.varlen && pr.T <= pr.N);
+  const bool at_most_one = longest <= 1 || count_one;
   const auto aligned16 = [](const TensorView& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; };
   const auto offsets32 = [](const TensorView& t) {  // every element's offset fits an int
     int64_t last = 0;
@@ -118,13 +123,15 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
     return last < (int64_t(1) << 31) - 16;
   };
   const auto int32_or_absent = [](const TensorView& t) { return !t.present() || t.dtype == DType::kInt32; };
+  // g and beta: both in q's dtype, or both float32 (the engines' fp32 gate next to 16-bit activations).
+  const DType side = p.in.g.dtype;
+  const bool side_ok = side == p.in.beta.dtype && (side == p.in.q.dtype || side == DType::kFloat32);
   const TensorView& idx = st.state_indices;
   const int64_t idx_s0 = idx.present() ? idx.strides[0] : 0;
   const bool idx_2d = idx.present() && idx.ndim == 2;
   const int64_t cu_stride = p.in.cu_seqlens.present() ? p.in.cu_seqlens.strides[0] : 1;
   const int64_t has_stride = st.has_initial_state.present() ? st.has_initial_state.strides[0] : 0;
-  const bool one_dtypes = p.in.beta.dtype == p.in.q.dtype && p.out.dtype == p.in.q.dtype && int32_or_absent(idx) &&
-                          int32_or_absent(p.in.cu_seqlens) &&
+  const bool one_dtypes = side_ok && p.out.dtype == p.in.q.dtype && int32_or_absent(p.in.cu_seqlens) &&
                           (!p.in.gate.A_log.present() || p.in.gate.A_log.dtype == DType::kFloat32) &&
                           (!p.in.gate.dt_bias.present() ||
                            (p.in.gate.dt_bias.dtype == DType::kFloat32 && aligned16(p.in.gate.dt_bias)));
@@ -156,8 +163,13 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
     return !has_data(t) || (t.strides[0] >= 0 && t.strides[0] < (int64_t(1) << 31) && t.shape[0] < (int64_t(1) << 31) &&
                             (pr.HV <= 1 || t.strides[1] == pr.K * pr.V));
   };
+  // One slot stride for both states (DecodeOneArgs::slot_stride), slot ids and T in 32 bits.
+  const bool one_stride = !has_data(st.initial_state) || !has_data(st.final_state) ||
+                          (st.initial_state.strides[0] == st.final_state.strides[0] &&
+                           st.initial_state.shape[0] == st.final_state.shape[0]);
   const bool one_packs = u16(idx_s0) && u16(cu_stride) && u16(has_stride) && u16(pr.V) && u16(pr.group) &&
-                         packs(st.initial_state) && packs(st.final_state);
+                         packs(st.initial_state) && packs(st.final_state) && one_stride &&
+                         st.pad_slot_id < (int64_t(1) << 31) && pr.T < (int64_t(1) << 31) - 1;
   cfg.one = at_most_one && cfg.KP <= 128 && pr.K == cfg.KP && pr.V % (int64_t(bv) * one_passes) == 0 && d.q_vec &&
             d.k_vec && d.g_vec && one_dtypes && one_offsets && one_packs &&
             same_as_pool(st.initial_state, d.initial_vec) && same_as_pool(st.final_state, d.final_vec) &&
@@ -176,7 +188,7 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
   cfg.passes = passes;
   d.vtiles = static_cast<int>((pr.V + int64_t(bv) * passes - 1) / (int64_t(bv) * passes));
   // The grid is (N, HV, vtiles): y and z are limited to 65535 (vtiles <= V / 8 <= 32).
-  if (pr.N > 0x7fffffff) {
+  if (pr.N >= 0x7fffffff) {  // N + 1 CTA rows with a tail row
     throw InvalidArgument("q", "at most 2147483647 sequences per decode call, got " + std::to_string(pr.N));
   }
   if (pr.HV > 65535) {

@@ -47,7 +47,7 @@ DecodeOneArgs one_args(const DecodeParams& p, const Problem& pr, const DecodeLau
   o.A_log = static_cast<const float*>(p.in.gate.A_log.data);
   o.dt_bias = static_cast<const float*>(p.in.gate.dt_bias.data);
   if (st.state_indices.present()) {
-    o.state_indices = static_cast<const int*>(st.state_indices.data);
+    o.state_indices = st.state_indices.data;
     o.idx_stride = static_cast<uint16_t>(st.state_indices.strides[0]);
   }
   if (varlen) {
@@ -56,16 +56,17 @@ DecodeOneArgs one_args(const DecodeParams& p, const Problem& pr, const DecodeLau
   } else {
     o.cu_stride = 1;
   }
-  if (st.initial_state.present()) {
-    o.initial = st.initial_state.data;
-    o.initial_slot_stride = static_cast<int>(st.initial_state.strides[0]);
-    o.initial_slots = static_cast<int>(st.initial_state.shape[0]);
+  // The plan checked that both states, where both are given, have one slot stride and count.
+  for (const TensorView* t : {&st.final_state, &st.initial_state}) {
+    if (t->present()) {
+      o.slot_stride = static_cast<int>(t->strides[0]);
+      o.slots = static_cast<int>(t->shape[0]);
+    }
   }
-  if (st.final_state.present()) {
-    o.final_state = st.final_state.data;
-    o.final_slot_stride = static_cast<int>(st.final_state.strides[0]);
-    o.final_slots = static_cast<int>(st.final_state.shape[0]);
-  }
+  if (st.initial_state.present()) o.initial = st.initial_state.data;
+  if (st.final_state.present()) o.final_state = st.final_state.data;
+  o.pad_slot = static_cast<int>(st.pad_slot_id);
+  if (d.tail_cta) o.tokens = static_cast<int>(pr.T);
   int has_dtype = 0;
   if (st.has_initial_state.present()) {
     o.has_initial_state = st.has_initial_state.data;
@@ -77,7 +78,12 @@ DecodeOneArgs one_args(const DecodeParams& p, const Problem& pr, const DecodeLau
   for (int sh = 0; sh < 16; ++sh) {
     if ((int64_t(1) << sh) == pr.group) o.group_shift = static_cast<int8_t>(sh);
   }
-  o.dtypes = static_cast<uint8_t>(static_cast<int>(p.in.q.dtype) | has_dtype << 4);
+  o.dtypes = static_cast<uint8_t>(static_cast<int>(p.in.q.dtype) |
+                                  (p.in.g.dtype == DType::kFloat32 ? DecodeOneArgs::kSide32 : 0) |
+                                  (st.state_indices.present() && st.state_indices.dtype == DType::kInt64
+                                       ? DecodeOneArgs::kIdx64
+                                       : 0) |
+                                  has_dtype << 4);
   o.scale = p.in.scale;
   o.lower_bound = p.in.gate.lower_bound;
   o.flags = static_cast<uint8_t>(static_cast<int>(p.in.gate.mode) | (p.in.qk_l2norm ? DecodeOneArgs::kL2Norm : 0) |
@@ -127,6 +133,8 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
     a.has_stride = st.has_initial_state.strides[0];
   }
   a.out = token_rows(p.out);
+  a.pad_slot = st.pad_slot_id;
+  a.tail_cta = d.tail_cta;
   a.tb = d.tb;
   a.stage_state = d.stage_state;
   a.passes = d.cfg.passes;

@@ -269,13 +269,14 @@ struct LaterTile {
     const uint64_t rem = target - uint64_t(z) * per_z;
     hv = static_cast<unsigned>(rem / gridDim.x);
     const int n = static_cast<int>(rem - uint64_t(hv) * gridDim.x);
-    slot = o.state_indices != nullptr ? __ldg(o.state_indices + n * int(o.idx_stride)) : n;
+    if (o.tokens > 0 && n == static_cast<int>(gridDim.x) - 1) return;  // the padded token tail's row: no state
+    slot = o.state_indices != nullptr ? o.slot_of(n) : n;
   }
   template <typename PoolT, bool VK, int KP>
   __device__ __forceinline__ void prefetch(const DecodeOneArgs& o, int tile_cols) const {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (slot < 0 || slot >= o.initial_slots) return;
-    const PoolT* head = static_cast<const PoolT*>(o.initial) + int64_t(slot) * o.initial_slot_stride +
+    if (slot < 0 || slot >= o.slots || slot == o.pad_slot) return;
+    const PoolT* head = static_cast<const PoolT*>(o.initial) + int64_t(slot) * o.slot_stride +
                         size_t(hv) * KP * o.V;
     const PoolT* from =
         VK ? head + size_t(z) * tile_cols * KP : head + size_t(threadIdx.x) * o.V + size_t(z) * tile_cols;
