@@ -150,6 +150,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   extern __shared__ __align__(16) char one_smem[];
   char* staged = one_smem + size_t(tid) * 16;  // this thread's slots
   const int pass_bytes = L::NVEC * static_cast<int>(blockDim.x) * 16;
+  const int tile_col0 = static_cast<int>(blockIdx.z) * bv * passes;  // the CTA tile's first column
   float S[NJ][ND];
   auto zero_state = [&]() {
 #pragma unroll
@@ -161,7 +162,11 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   if (STAGED) {
     if (rslot >= 0) {
       for (int p = 0; p < passes; ++p) {
-        issue_block_async<PoolT, VK, KP>(src, place(p), staged + size_t(p) * pass_bytes, blockDim.x);
+        if constexpr (VK) {
+          issue_block_async<PoolT, VK, KP>(src, place(p), staged + size_t(p) * pass_bytes, blockDim.x);
+        } else {  // by row segments (state_io.cuh)
+          issue_rows_async<PoolT, KP>(src + tile_col0 + p * bv, o.V, one_smem + size_t(p) * pass_bytes, blockDim.x);
+        }
         cp_async_commit();
       }
     }
@@ -202,6 +207,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     if (STAGED) {  // this pass's copies are complete once at most the later passes' groups are in flight
       if (rslot >= 0) {
         cp_async_wait(passes - 1 - p);
+        if constexpr (!VK) __syncthreads();  // the pass's slots were filled by other threads
         load_block_staged<PoolT, VK, KP>(S, src, place(p), staged + size_t(p) * pass_bytes, blockDim.x);
       } else {
         zero_state();
@@ -239,8 +245,14 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       }, e);
     }
     if (wslot >= 0) {
-      store_block_t<PoolT, L, VK>(S, static_cast<PoolT*>(o.final_state) + int64_t(wslot) * o.slot_stride +
-                                         head_block, place(p), true);
+      PoolT* dst = static_cast<PoolT*>(o.final_state) + int64_t(wslot) * o.slot_stride + head_block;
+      if constexpr (!VK && STAGED) {  // by row segments through the pass's slots, which only this pass used
+        stage_block_out<PoolT, KP>(S, staged + size_t(p) * pass_bytes, blockDim.x);
+        __syncthreads();
+        store_rows<PoolT, KP>(dst + tile_col0 + p * bv, o.V, one_smem + size_t(p) * pass_bytes, blockDim.x);
+      } else {
+        store_block_t<PoolT, L, VK>(S, dst, place(p), true);
+      }
     }
     if (tok && p + 1 < passes) {
 #pragma unroll

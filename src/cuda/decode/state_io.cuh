@@ -248,6 +248,72 @@ __device__ __forceinline__ void load_block_staged(float (&S)[Tile<PoolT, VK, KP>
   }
 }
 
+// ---- [K,V] staged tiles by whole row segments ---------------------------------------------------------------
+// In the [K,V] layout a warp's own vectors lie on 16 (fp32) or 32 (bf16) rows, 32 or 16 bytes of each, so copies and
+// stores by owner touch four to eight times the cache lines per instruction that v-first ones do, and the L1/L2
+// request rate, not DRAM, bounded the kernel. The staged one-token form therefore copies a pass tile (KP rows of bv
+// columns) by row segments -- consecutive threads, consecutive 16-byte pieces of a row -- into the owners' slots
+// (the slot layout of issue_block_async), and writes the updated tile back the same way from the owners' slots; each
+// direction costs a barrier (threads read slots other threads filled). Whole tiles only (K == KP, whole V tiles).
+// This thread's vectors i = 0..NVEC-1 of a pass tile in row order (vector e = i * nthreads + tid: row d, 16-byte
+// piece c): rows d0 + i * LANES_K of piece c0, owned by (thread, vector slot) at shared-memory byte slot0 + i * step.
+// Affine in i (LANES_K is a multiple of ND), so a copy loop holds two offsets, not one per vector.
+template <typename L>
+struct KvRows {
+  static_assert(L::LANES_K % L::ND == 0, "rows d0 + i LANES_K keep their vector slot d % ND");
+  int row0, piece, slot0, step;
+  __device__ __forceinline__ explicit KvRows(int nthreads) {
+    const int cpr_shift = __ffs((nthreads >> 5) * L::LV) - 1;  // 16-byte pieces per row segment: 2^cpr_shift
+    const int tid = static_cast<int>(threadIdx.x);
+    row0 = tid >> cpr_shift;
+    piece = tid & ((1 << cpr_shift) - 1);
+    const int owner = (piece / L::LV) * 32 + (row0 / L::ND) * L::LV + piece % L::LV;
+    slot0 = ((row0 % L::ND) * nthreads + owner) * 16;
+    step = (L::LANES_K / L::ND) * L::LV * 16;
+  }
+};
+
+// head_c0: the state block of (slot, head) advanced to the pass tile's first column; V: its row stride.
+template <typename PoolT, int KP>
+__device__ __forceinline__ void issue_rows_async(const PoolT* head_c0, int V, char* sm, int nthreads) {
+  using L = Tile<PoolT, false, KP>;
+  const KvRows<L> r(nthreads);
+  const PoolT* from = head_c0 + size_t(r.row0) * V + r.piece * L::VEC;
+#pragma unroll
+  for (int i = 0; i < L::NVEC; ++i) cp_async16(sm + r.slot0 + i * r.step, from + size_t(i) * L::LANES_K * V, 16);
+}
+
+// The thread's part of the tile into its own slots (the pool's dtype), for store_rows after a barrier.
+template <typename PoolT, int KP>
+__device__ __forceinline__ void stage_block_out(const float (&S)[Tile<PoolT, false, KP>::NJ][Tile<PoolT, false, KP>::ND],
+                                                char* sm_own, int nthreads) {
+  using L = Tile<PoolT, false, KP>;
+#pragma unroll
+  for (int vi = 0; vi < L::NVEC; ++vi) {
+    uint4 u;
+    if constexpr (std::is_same<PoolT, float>::value) {
+      u = make_uint4(__float_as_uint(S[0][vi]), __float_as_uint(S[1][vi]), __float_as_uint(S[2][vi]),
+                     __float_as_uint(S[3][vi]));
+    } else {
+      u = make_uint4(pack_bf16(S[0][vi], S[1][vi]), pack_bf16(S[2][vi], S[3][vi]), pack_bf16(S[4][vi], S[5][vi]),
+                     pack_bf16(S[6][vi], S[7][vi]));
+    }
+    *reinterpret_cast<uint4*>(sm_own + size_t(vi) * nthreads * 16) = u;
+  }
+}
+
+template <typename PoolT, int KP>
+__device__ __forceinline__ void store_rows(PoolT* head_c0, int V, const char* sm, int nthreads) {
+  using L = Tile<PoolT, false, KP>;
+  const KvRows<L> r(nthreads);
+  PoolT* to = head_c0 + size_t(r.row0) * V + r.piece * L::VEC;
+#pragma unroll
+  for (int i = 0; i < L::NVEC; ++i) {
+    __stcs(reinterpret_cast<uint4*>(to + size_t(i) * L::LANES_K * V),
+           *reinterpret_cast<const uint4*>(sm + r.slot0 + i * r.step));
+  }
+}
+
 // L2 prefetch of the state tile that the CTA o.prefetch_ahead places later in launch order will stage (blocks are
 // dispatched in linear order; the host sets one place per SM, so that CTA starts a fraction of a CTA's lifetime
 // later, after about one CTA per SM has ended). Its copies then hit L2, and the state reads in flight are no longer
