@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   const int es = a.q.dtype == DType::kFloat32 ? 4 : 2, ges = a.g.dtype == DType::kFloat32 ? 4 : 2,
             bes = a.beta.dtype == DType::kFloat32 ? 4 : 2;
   const DecodeSmem lay(KP, tb, bvt,
-                       stage_state ? decode_state_tile_bytes(KP, int(sizeof(PoolT)), nthreads, passes) : 0);
+                       stage_state ? decode_staged_bytes(KP, int(sizeof(PoolT)), nthreads, passes) : 0);
   float* sQ = reinterpret_cast<float*>(smem + lay.q);     // [tb][KP] q * scale / |q|
   float* sK = reinterpret_cast<float*>(smem + lay.k);     // [tb][KP] k / |k|
   float* sA = reinterpret_cast<float*>(smem + lay.a);     // [tb][KP] exp(gate)

@@ -149,7 +149,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       rslot >= 0 ? static_cast<const PoolT*>(o.initial) + int64_t(rslot) * o.slot_stride + head_block : nullptr;
   extern __shared__ __align__(16) char one_smem[];
   char* staged = one_smem + size_t(tid) * 16;  // this thread's slots
-  const int pass_bytes = L::NVEC * static_cast<int>(blockDim.x) * 16;
+  const int pass_bytes = L::NVEC * static_cast<int>(blockDim.x) * 16 + (VK ? 0 : int(kDecodeKvRowPad));
   const int tile_col0 = static_cast<int>(blockIdx.z) * bv * passes;  // the CTA tile's first column
   float S[NJ][ND];
   auto zero_state = [&]() {
@@ -207,8 +207,12 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     if (STAGED) {  // this pass's copies are complete once at most the later passes' groups are in flight
       if (rslot >= 0) {
         cp_async_wait(passes - 1 - p);
-        if constexpr (!VK) __syncthreads();  // the pass's slots were filled by other threads
-        load_block_staged<PoolT, VK, KP>(S, src, place(p), staged + size_t(p) * pass_bytes, blockDim.x);
+        if constexpr (VK) {
+          load_block_staged<PoolT, VK, KP>(S, src, place(p), staged + size_t(p) * pass_bytes, blockDim.x);
+        } else {
+          __syncthreads();  // the pass's rows were copied by other threads
+          load_rows_staged<PoolT, KP>(S, one_smem + size_t(p) * pass_bytes, blockDim.x);
+        }
       } else {
         zero_state();
       }
@@ -247,7 +251,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     if (wslot >= 0) {
       PoolT* dst = static_cast<PoolT*>(o.final_state) + int64_t(wslot) * o.slot_stride + head_block;
       if constexpr (!VK && STAGED) {  // by row segments through the pass's slots, which only this pass used
-        stage_block_out<PoolT, KP>(S, staged + size_t(p) * pass_bytes, blockDim.x);
+        stage_block_out<PoolT, KP>(S, one_smem + size_t(p) * pass_bytes, blockDim.x);
         __syncthreads();
         store_rows<PoolT, KP>(dst + tile_col0 + p * bv, o.V, one_smem + size_t(p) * pass_bytes, blockDim.x);
       } else {

@@ -98,7 +98,7 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
   d.stage_state = has_data(st.initial_state) && d.initial_vec;
   const int pool_bytes = d.bf16_pool ? 2 : 4;
   auto smem_of = [&](int passes) {
-    const std::size_t tile = d.stage_state ? decode_state_tile_bytes(cfg.KP, pool_bytes, 32 * warps, passes) : 0;
+    const std::size_t tile = d.stage_state ? decode_staged_bytes(cfg.KP, pool_bytes, 32 * warps, passes) : 0;
     return DecodeSmem(cfg.KP, d.tb, bv * passes, tile).total;
   };
   if (smem_of(1) > kDecodeSmemLimit) d.stage_state = false;  // K = 256 fp32 with 8 staged tokens: registers only
@@ -198,7 +198,7 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
   // The one-token entry needs shared memory only for a staged state (several passes); the ONE instance of the general
   // kernel holds the general path's layout, whose state tile is the same size.
   cfg.smem = !cfg.one_entry ? smem_of(passes)
-             : passes > 1   ? decode_state_tile_bytes(cfg.KP, pool_bytes, 32 * warps, passes)
+             : passes > 1   ? decode_staged_bytes(cfg.KP, pool_bytes, 32 * warps, passes)
                             : 0;
   cfg.full = d.stage_state && pr.K == cfg.KP && pr.V % (int64_t(bv) * passes) == 0 &&
              same_as_pool(st.final_state, d.final_vec) && same_as_pool(p.token_states, d.token_states_vec) &&

@@ -7,6 +7,7 @@
 
 #include "cuda/common/sm80/cp_async.cuh"
 #include "cuda/decode/args.h"
+#include "cuda/decode/tile_size.h"
 
 namespace kdakit::cuda::decode_detail {
 
@@ -252,24 +253,31 @@ __device__ __forceinline__ void load_block_staged(float (&S)[Tile<PoolT, VK, KP>
 // In the [K,V] layout a warp's own vectors lie on 16 (fp32) or 32 (bf16) rows, 32 or 16 bytes of each, so copies and
 // stores by owner touch four to eight times the cache lines per instruction that v-first ones do, and the L1/L2
 // request rate, not DRAM, bounded the kernel. The staged one-token form therefore copies a pass tile (KP rows of bv
-// columns) by row segments -- consecutive threads, consecutive 16-byte pieces of a row -- into the owners' slots
-// (the slot layout of issue_block_async), and writes the updated tile back the same way from the owners' slots; each
-// direction costs a barrier (threads read slots other threads filled). Whole tiles only (K == KP, whole V tiles).
-// This thread's vectors i = 0..NVEC-1 of a pass tile in row order (vector e = i * nthreads + tid: row d, 16-byte
-// piece c): rows d0 + i * LANES_K of piece c0, owned by (thread, vector slot) at shared-memory byte slot0 + i * step.
-// Affine in i (LANES_K is a multiple of ND), so a copy loop holds two offsets, not one per vector.
+// columns) by row segments -- consecutive threads, consecutive 16-byte pieces of a row -- into shared memory in row
+// order, and writes the updated tile back the same way; each direction costs a barrier (threads read what others
+// wrote). Row order with one 16-byte unit of padding after every ND rows: an owner's lanes then read distinct banks
+// (lane l's rows start l units further), and a pass tile takes kDecodeKvRowPad more bytes. Whole tiles only.
+// Piece c of row d (cpr pieces per row) at 16-byte unit d * cpr + c + (d / ND) * LV.
 template <typename L>
 struct KvRows {
-  static_assert(L::LANES_K % L::ND == 0, "rows d0 + i LANES_K keep their vector slot d % ND");
-  int row0, piece, slot0, step;
+  static_assert(L::LANES_K % L::ND == 0, "rows d0 + i LANES_K are ND-row groups apart");
+  static_assert(L::LANES_K * L::LV * 16 == kDecodeKvRowPad, "the padding of a pass tile");
+  int cpr;        // 16-byte pieces per row segment of a pass tile
+  int copy0, copy_step, unit0, unit_step;  // copy order: this thread's vector i at global row row0 + i LANES_K
+  int row0, piece;
   __device__ __forceinline__ explicit KvRows(int nthreads) {
-    const int cpr_shift = __ffs((nthreads >> 5) * L::LV) - 1;  // 16-byte pieces per row segment: 2^cpr_shift
+    cpr = (nthreads >> 5) * L::LV;
+    const int cpr_shift = __ffs(cpr) - 1;
     const int tid = static_cast<int>(threadIdx.x);
     row0 = tid >> cpr_shift;
-    piece = tid & ((1 << cpr_shift) - 1);
-    const int owner = (piece / L::LV) * 32 + (row0 / L::ND) * L::LV + piece % L::LV;
-    slot0 = ((row0 % L::ND) * nthreads + owner) * 16;
-    step = (L::LANES_K / L::ND) * L::LV * 16;
+    piece = tid & (cpr - 1);
+    copy0 = (row0 * cpr + piece + (row0 / L::ND) * L::LV) * 16;
+    copy_step = (L::LANES_K * cpr + (L::LANES_K / L::ND) * L::LV) * 16;
+  }
+  // The owner's vector vi (Tile mapping: row (lane / LV) ND + vi, piece warp LV + lane % LV).
+  __device__ __forceinline__ int owned(int vi) const {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, d = (lane / L::LV) * L::ND + vi;
+    return (d * cpr + warp * L::LV + lane % L::LV + (lane / L::LV) * L::LV) * 16;
   }
 };
 
@@ -280,14 +288,36 @@ __device__ __forceinline__ void issue_rows_async(const PoolT* head_c0, int V, ch
   const KvRows<L> r(nthreads);
   const PoolT* from = head_c0 + size_t(r.row0) * V + r.piece * L::VEC;
 #pragma unroll
-  for (int i = 0; i < L::NVEC; ++i) cp_async16(sm + r.slot0 + i * r.step, from + size_t(i) * L::LANES_K * V, 16);
+  for (int i = 0; i < L::NVEC; ++i) cp_async16(sm + r.copy0 + i * r.copy_step, from + size_t(i) * L::LANES_K * V, 16);
 }
 
-// The thread's part of the tile into its own slots (the pool's dtype), for store_rows after a barrier.
+template <typename PoolT, int KP>
+__device__ __forceinline__ void load_rows_staged(float (&S)[Tile<PoolT, false, KP>::NJ][Tile<PoolT, false, KP>::ND],
+                                                 const char* sm, int nthreads) {
+  using L = Tile<PoolT, false, KP>;
+  const KvRows<L> r(nthreads);
+#pragma unroll
+  for (int vi = 0; vi < L::NVEC; ++vi) {
+    const uint4 u = *reinterpret_cast<const uint4*>(sm + r.owned(vi));
+    if constexpr (std::is_same<PoolT, float>::value) {
+      S[0][vi] = __uint_as_float(u.x); S[1][vi] = __uint_as_float(u.y);
+      S[2][vi] = __uint_as_float(u.z); S[3][vi] = __uint_as_float(u.w);
+    } else {
+      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        S[2 * i][vi] = bf16_lo(w[i]);
+        S[2 * i + 1][vi] = bf16_hi(w[i]);
+      }
+    }
+  }
+}
+
 template <typename PoolT, int KP>
 __device__ __forceinline__ void stage_block_out(const float (&S)[Tile<PoolT, false, KP>::NJ][Tile<PoolT, false, KP>::ND],
-                                                char* sm_own, int nthreads) {
+                                                char* sm, int nthreads) {
   using L = Tile<PoolT, false, KP>;
+  const KvRows<L> r(nthreads);
 #pragma unroll
   for (int vi = 0; vi < L::NVEC; ++vi) {
     uint4 u;
@@ -298,7 +328,7 @@ __device__ __forceinline__ void stage_block_out(const float (&S)[Tile<PoolT, fal
       u = make_uint4(pack_bf16(S[0][vi], S[1][vi]), pack_bf16(S[2][vi], S[3][vi]), pack_bf16(S[4][vi], S[5][vi]),
                      pack_bf16(S[6][vi], S[7][vi]));
     }
-    *reinterpret_cast<uint4*>(sm_own + size_t(vi) * nthreads * 16) = u;
+    *reinterpret_cast<uint4*>(sm + r.owned(vi)) = u;
   }
 }
 
@@ -310,7 +340,7 @@ __device__ __forceinline__ void store_rows(PoolT* head_c0, int V, const char* sm
 #pragma unroll
   for (int i = 0; i < L::NVEC; ++i) {
     __stcs(reinterpret_cast<uint4*>(to + size_t(i) * L::LANES_K * V),
-           *reinterpret_cast<const uint4*>(sm + r.slot0 + i * r.step));
+           *reinterpret_cast<const uint4*>(sm + r.copy0 + i * r.copy_step));
   }
 }
 

@@ -24,6 +24,13 @@ KDA_HD constexpr std::size_t decode_state_tile_bytes(int KP, int pool_bytes, int
   return std::size_t(passes) * std::size_t(nthreads) * std::size_t(KP / 4) * std::size_t(pool_bytes);
 }
 
+// Shared memory a staged tile takes: the state, plus per pass the padding of the [K,V] row layout (state_io.cuh,
+// KvRows: one 16-byte unit per group of a lane's rows, so that owners read it without bank conflicts).
+constexpr std::size_t kDecodeKvRowPad = 512;
+KDA_HD constexpr std::size_t decode_staged_bytes(int KP, int pool_bytes, int nthreads, int passes) {
+  return decode_state_tile_bytes(KP, pool_bytes, nthreads, passes) + std::size_t(passes) * kDecodeKvRowPad;
+}
+
 // Dynamic shared memory of one CTA of the general form, byte offsets. Float rows: q * scale / |q|, k / |k| and
 // exp(gate) [tb][KP]; v and beta [tb][bv] (bv: the CTA tile's columns, all passes); q.k [tb]; per-token slots (int)
 // [tb]; the head's dt_bias [KP] and A_log; then the staged state tile (`state_bytes`, 0 when the state is not

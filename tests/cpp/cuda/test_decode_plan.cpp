@@ -58,7 +58,7 @@ TEST(DecodePlan, LargeBatchesStageTheStateAndPrefetchOnHopper) {
   EXPECT_TRUE(bf.cfg.one_entry);
   EXPECT_TRUE(bf.stage_state);
   EXPECT_EQ(bf.cfg.passes, 4);  // 4 x 32 bf16 columns of K = 128: a 32 KB tile
-  EXPECT_EQ(bf.cfg.smem, cuda::decode_state_tile_bytes(128, 2, 128, 4));
+  EXPECT_EQ(bf.cfg.smem, cuda::decode_staged_bytes(128, 2, 128, 4));
   EXPECT_EQ(bf.cfg.smem, 32768u);
   EXPECT_EQ(bf.prefetch_ahead, 132);  // one CTA per SM ahead
   const DecodeLaunch fp = DecodeCase(256, 1, 16, 16, DType::kFloat32).plan();

@@ -176,6 +176,15 @@ def host_then_general(monkeypatch, run):
     return chosen, run()
 
 
+def zero_padding(out, x, slots, pad_slot_id=-1):
+    """The oracle's outputs with the rows of padding sequences (read slot negative or pad_slot_id) set to zero."""
+    out = out.clone()
+    for n, (b, s, e) in enumerate(bounds(x)):
+        if slots[n] < 0 or slots[n] == pad_slot_id:
+            out[b, s:e] = 0
+    return out
+
+
 def h0_from_pool(pool, slots, v_first, has=None):
     """Initial states of the oracle: pool[slot] per sequence, zero for slot -1 or has_initial_state False."""
     HV = pool.shape[1]
@@ -396,7 +405,8 @@ def test_multi_token_verify_then_commit(seed, v_first, pool_dtype, dtype):
 
 @pytest.mark.parametrize("v_first", [False, True])
 def test_2d_indices_with_padding_slots(seed, v_first):
-    """-1 entries of 2-D indices skip that token's write; a -1 read slot starts from zero."""
+    """-1 entries of 2-D indices skip that token's write; a sequence whose read slot is -1 is padding: zero outputs,
+    no state read or written (spec §1.7)."""
     N, Tm, HV, D = 3, 4, 2, 64
     x = make([Tm] * N, 2, HV, D, dtype=torch.float32, fixed=True)
     idx = torch.arange(N * Tm, device=DEV, dtype=torch.int32).reshape(N, Tm)
@@ -409,13 +419,17 @@ def test_2d_indices_with_padding_slots(seed, v_first):
     read = [idx[n, accepted[n] - 1].item() for n in range(N)]
     h0 = h0_from_pool(before, read, v_first)
     ro, rs = oracle(x, h0)
+    ro = zero_padding(ro, x, read)
     close("o", o, ro, tol(x))
+    assert torch.equal(o[1], torch.zeros_like(o[1])), "the padding sequence's outputs are zeros"
     for n in range(N):
         for t in range(Tm):
             s = idx[n, t].item()
-            if s >= 0:
+            if s >= 0 and read[n] >= 0:
                 close(f"slot {s}", kv(pool[s], v_first), rs[n][t], tol(x))
-    assert same_bits(pool[2], before[2]), "the -1 entry's token state is not written"
+    written = {idx[n, t].item() for n in range(N) for t in range(Tm) if read[n] >= 0} - {-1}
+    for s in set(range(N * Tm)) - written:
+        assert same_bits(pool[s], before[s]), f"slot {s} (a -1 entry's or a padding sequence's) is not written"
 
 
 # ---- padding slots, has_initial_state, caller out -----------------------------------------------------------------
@@ -435,6 +449,7 @@ def test_padding_slots_and_has_initial_state(seed, v_first, pool_dtype):
     assert o is out and torch.isfinite(out).all(), "every output row is written"
     h0 = h0_from_pool(before, idx.tolist(), v_first, has.tolist())
     ro, rs = oracle(x, h0)
+    ro = zero_padding(ro, x, idx.tolist())
     close("o", o, ro, tol(x, torch.bfloat16))
     for n, s in enumerate(idx.tolist()):
         if s >= 0:  # has_initial_state=False still writes
@@ -444,8 +459,8 @@ def test_padding_slots_and_has_initial_state(seed, v_first, pool_dtype):
 
 
 def test_out_of_range_slots_are_ignored(seed):
-    """Device-side indices cannot be checked on the host without a synchronisation: ids outside the pool are treated
-    like -1 (no read, no write) instead of touching memory outside it."""
+    """Device-side indices cannot be checked on the host without a synchronisation: ids outside the pool are padding
+    (zero outputs, no read, no write) instead of touching memory outside it."""
     x = make([1, 1], 2, 2, 64, dtype=torch.float32)
     idx = torch.tensor([7, 2], device=DEV, dtype=torch.int32)
     pool = make_pool(4, 2, 64, 64, torch.float32, True, [2])
@@ -453,6 +468,7 @@ def test_out_of_range_slots_are_ignored(seed):
     o, _ = call(x, pool, state_v_first=True, ssm_state_indices=idx)
     h0 = h0_from_pool(before, [-1, 2], True)
     ro, rs = oracle(x, h0)
+    ro = zero_padding(ro, x, [-1, 2])
     close("o", o, ro, tol(x))
     assert same_bits(pool[[0, 1, 3]], before[[0, 1, 3]])
 
@@ -564,7 +580,7 @@ ONE_TOKEN_CASES = [  # (lengths, fixed length, input dtype, gate, beta)
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_one_token_form(seed, monkeypatch, lens, fixed, dtype, gate, beta, K, v_first, pool_dtype):
-    """Against the oracle (GVA, -1 slots, has_initial_state, poisoned pool, caller out) and bit for bit against the
+    """Against the oracle (GVA, -1 padding slots, has_initial_state, poisoned pool, caller out) and bit for bit against the
     general form (KDAKIT_DECODE_GENERAL): a sequence's result does not depend on which form ran it."""
     N, HV = len(lens), 4
     x = make(lens, 2, HV, K, dtype=dtype, fixed=fixed, gate=gate, beta=beta, neg=beta == "cols")
@@ -582,6 +598,7 @@ def test_one_token_form(seed, monkeypatch, lens, fixed, dtype, gate, beta, K, v_
     (o, p), (og, pg) = host_then_general(monkeypatch, run)
     h0 = h0_from_pool(pool, idx.tolist(), v_first, has.tolist())
     ro, rs = oracle(x, h0)
+    ro = zero_padding(ro, x, idx.tolist())
     close("o", o, ro, tol(x, dtype))
     for n, s in enumerate(idx.tolist()):
         if s >= 0:
@@ -615,6 +632,7 @@ def test_one_token_staged(seed, monkeypatch, fixed, v_first, pool_dtype):
     (o, p), (og, pg) = host_then_general(monkeypatch, run)
     h0 = h0_from_pool(pool, idx.tolist(), v_first, has.tolist())
     ro, rs = oracle(x, h0)
+    ro = zero_padding(ro, x, idx.tolist())
     close("o", o, ro, tol(x, pool_dtype))
     used = [(n, s) for n, s in enumerate(idx.tolist()) if s >= 0]
     close("slots", torch.stack([kv(p[s], v_first) for _, s in used]), torch.stack([rs[n][-1] for n, _ in used]),
