@@ -15,8 +15,9 @@ namespace kdakit::cuda {
 // Registers: with KP <= 128 five CTAs of 4 warps fit an SM (<= 96 registers) without spills; the [K,V] bf16 tile
 // (8 columns per thread, 16 sums per butterfly) needs up to 128 at KP = 128 (four CTAs); KP = 256 holds twice the
 // state per thread. The state loads in flight are not bounded by registers: the tile is staged in shared memory.
-template <typename L, bool VK, int KP>
-constexpr int decode_min_blocks() { return KP > 128 ? 2 : (!VK && L::NJ == 8 && KP == 128 ? 4 : 5); }
+// Whole [K,V] tiles (FULL, written by row segments: KvRows' offsets beside the state) take the 128 too.
+template <typename L, bool VK, int KP, bool FULL>
+constexpr int decode_min_blocks() { return KP > 128 ? 2 : (!VK && (L::NJ == 8 || FULL) && KP == 128 ? 4 : 5); }
 
 // The kernel takes its arguments by value (not __grid_constant__): ptxas then reads them from the constant bank at
 // every use instead of holding them in registers across the token loop.
@@ -30,7 +31,7 @@ constexpr int decode_min_blocks() { return KP > 128 ? 2 : (!VK && L::NJ == 8 && 
 // per SM); longer ones (varlen calls whose lengths the host could not read) the general path.
 template <typename PoolT, bool VK, int KP, bool FULL, bool ONE>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
-                                  (ONE ? 4 : decode_min_blocks<decode_detail::Tile<PoolT, VK, KP>, VK, KP>()))
+                                  (ONE ? 4 : decode_min_blocks<decode_detail::Tile<PoolT, VK, KP>, VK, KP, FULL>()))
     decode_kernel(const DecodeArgs a) {
   using namespace decode_detail;
   static_assert(!(ONE && FULL), "the one-token form falls back to the general (masked) path");
@@ -171,7 +172,10 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   // The state tile: with stage_state every pass's copies are issued here, one cp.async group per pass (empty ones
   // too, so that the group count is the same for every thread), and stay in flight while the token inputs are
   // prepared and while earlier passes compute.
-  const int tile_vecs = L::NVEC * nthreads * 16;  // bytes of one pass in shared memory
+  // ROWS ([K,V] whole tiles): the staged tile in row order, copied and written by row segments (state_io.cuh, KvRows).
+  constexpr bool ROWS = FULL && !VK;
+  const int tile_vecs = L::NVEC * nthreads * 16 + (ROWS ? int(kDecodeKvRowPad) : 0);  // bytes of one pass
+  char* sTile = smem + lay.state;
   // Where a warp's vectors lie (FULL: K = KP and no masks, so offsets and bounds are compile-time where possible).
   auto place = [&](int wcol0) {
     if constexpr (FULL) {
@@ -184,7 +188,10 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   if (stage_state) {
     for (int p = 0; p < passes; ++p) {
       // FULL without an initial state: the copies zero-fill the tile (no zeroing branch per pass).
-      if (FULL || has_src) {
+      if constexpr (ROWS) {
+        issue_rows_async<PoolT, KP>(has_src ? src() + col0 + p * bv : static_cast<const PoolT*>(a.initial.p), a.V,
+                                    sTile + size_t(p) * tile_vecs, nthreads, has_src ? 16 : 0);
+      } else if (FULL || has_src) {
         issue_block_async<PoolT, VK, KP>(has_src ? src() : static_cast<const PoolT*>(a.initial.p),
                                          place(col0 + p * bv + warp * kDecodeWarpCols),
                                          sState + size_t(p) * tile_vecs, nthreads, has_src ? 16 : 0);
@@ -204,6 +211,17 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   }
   if (tid == 0) *sAlog = alog_r;
 
+  // A state output of the pass starting at tile column pc0 (ROWS: through the pass's region, whose state is in
+  // registers by now; the calls are CTA-uniform, as their barriers need).
+  auto store_state = [&](const StateRef& st, int64_t block, int pc0, const Place& pl, const float (&S)[NJ][ND]) {
+    if constexpr (ROWS) {
+      store_tile_rows<PoolT, KP>(S, static_cast<PoolT*>(st.p) + block + col0 + pc0, a.V,
+                                 sTile + size_t(pc0 / bv) * tile_vecs, nthreads);
+    } else {
+      store_block<PoolT, L, VK, FULL>(S, st, block, pl);
+    }
+  };
+
   // A sequence of one batch (len <= tb, every serving call) prepares its tokens once for all passes; longer ones
   // stage and prepare every batch again in every pass.
   const bool multi = len > tb;
@@ -217,7 +235,12 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
     auto load_pass = [&]() {
       if (stage_state) {
         cp_async_wait(passes - 1 - p);
-        if (FULL || has_src) load_block_staged<PoolT, VK, KP>(S, src(), pl, sState + size_t(p) * tile_vecs, nthreads);
+        if constexpr (ROWS) {
+          __syncthreads();  // the pass's rows were copied by other threads
+          load_rows_staged<PoolT, KP>(S, sTile + size_t(p) * tile_vecs, nthreads);
+        } else if (FULL || has_src) {
+          load_block_staged<PoolT, VK, KP>(S, src(), pl, sState + size_t(p) * tile_vecs, nthreads);
+        }
       } else if (has_src) {
         load_block<PoolT, VK, KP>(S, src(), pl, a.initial.vec);  // never FULL
       }
@@ -337,15 +360,15 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
         }, e);
         token_update<L>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_of<L, VK>(dd, lane), k_); }, e);
         if (a.token_states.present()) {
-          store_block<PoolT, L, VK, FULL>(S, a.token_states, a.token_states.block(int64_t(b) * a.T + s, hv), pl);
+          store_state(a.token_states, a.token_states.block(int64_t(b) * a.T + s, hv), pc0, pl, S);
         }
         if (per_token) {
           const int w = sSlot[tt];
-          if (w >= 0) store_block<PoolT, L, VK, FULL>(S, a.final_state, a.final_state.block(w, hv), pl);
+          if (w >= 0) store_state(a.final_state, a.final_state.block(w, hv), pc0, pl, S);
         }
       }
     }
-    if (wslot >= 0) store_block<PoolT, L, VK, FULL>(S, a.final_state, a.final_state.block(wslot, hv), pl);
+    if (wslot >= 0) store_state(a.final_state, a.final_state.block(wslot, hv), pc0, pl, S);
   }
 }
 

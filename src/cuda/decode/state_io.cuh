@@ -282,13 +282,16 @@ struct KvRows {
 };
 
 // head_c0: the state block of (slot, head) advanced to the pass tile's first column; V: its row stride.
+// bytes = 0: zero-fill (no initial state) without reading.
 template <typename PoolT, int KP>
-__device__ __forceinline__ void issue_rows_async(const PoolT* head_c0, int V, char* sm, int nthreads) {
+__device__ __forceinline__ void issue_rows_async(const PoolT* head_c0, int V, char* sm, int nthreads, int bytes = 16) {
   using L = Tile<PoolT, false, KP>;
   const KvRows<L> r(nthreads);
-  const PoolT* from = head_c0 + size_t(r.row0) * V + r.piece * L::VEC;
+  const PoolT* from = bytes > 0 ? head_c0 + size_t(r.row0) * V + r.piece * L::VEC : head_c0;
 #pragma unroll
-  for (int i = 0; i < L::NVEC; ++i) cp_async16(sm + r.copy0 + i * r.copy_step, from + size_t(i) * L::LANES_K * V, 16);
+  for (int i = 0; i < L::NVEC; ++i) {
+    cp_async16(sm + r.copy0 + i * r.copy_step, bytes > 0 ? from + size_t(i) * L::LANES_K * V : from, bytes);
+  }
 }
 
 template <typename PoolT, int KP>
@@ -342,6 +345,17 @@ __device__ __forceinline__ void store_rows(PoolT* head_c0, int V, const char* sm
     __stcs(reinterpret_cast<uint4*>(to + size_t(i) * L::LANES_K * V),
            *reinterpret_cast<const uint4*>(sm + r.copy0 + i * r.copy_step));
   }
+}
+
+// The thread's part of a tile to global memory by row segments through `sm` (a pass tile's region, free): owners'
+// vectors in, a barrier, row segments out, a barrier (the region may be written again next).
+template <typename PoolT, int KP>
+__device__ __forceinline__ void store_tile_rows(const float (&S)[Tile<PoolT, false, KP>::NJ][Tile<PoolT, false, KP>::ND],
+                                                PoolT* head_c0, int V, char* sm, int nthreads) {
+  stage_block_out<PoolT, KP>(S, sm, nthreads);
+  __syncthreads();
+  store_rows<PoolT, KP>(head_c0, V, sm, nthreads);
+  __syncthreads();
 }
 
 // L2 prefetch of the state tile that the CTA o.prefetch_ahead places later in launch order will stage (blocks are
