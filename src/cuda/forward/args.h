@@ -10,13 +10,14 @@
 namespace kdakit::cuda {
 
 struct ForwardArgs : KdaArgs {
-  // Inputs q, k, v, g (the input dtype) and beta [B,T,HV] (any float dtype).
+  // Inputs q, k, v (one dtype, the kernels' InT), g (float32, or 16 bits: bfloat16 or float16, read as it is by the
+  // prepare kernel's GB instantiation) and beta [B,T,HV] (any float dtype).
   TokenRows q, k, v, g, beta;
   bool vec_qk = false;  // q and k rows may be copied in 16-byte pieces (aligned base, strides and K)
   bool vec_v = false;   // likewise v rows (aligned base, strides and V)
-  bool vec_g = false;   // likewise g rows (aligned base, strides and K)
+  bool vec_g = false;   // likewise g rows (aligned base, strides and K, in g's elements)
   bool pair_qk = false; // q and k elements may be read in aligned pairs (base and strides even in elements)
-  bool pair_g = false;  // likewise g
+  bool pair_g = false;  // likewise g (in g's elements)
   bool vec_out = false;  // bf16 output rows may be written in 16-byte pieces (aligned base and strides, V % 8 == 0)
   int chunk = 64;
 

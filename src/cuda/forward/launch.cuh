@@ -23,10 +23,10 @@ void set_smem(Kernel kernel, size_t bytes) {
   set_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes);
 }
 
-template <typename InT, typename Elem, int C, int KP>
+template <typename InT, typename Elem, int C, int KP, int GB>
 void launch_prepare(const ForwardArgs& a, cudaStream_t stream) {
-  using L = PrepareLayout<sizeof(InT), sizeof(Elem), C, KP>;
-  auto kernel = prepare_kernel<InT, Elem, C, KP>;
+  using L = PrepareLayout<sizeof(InT), sizeof(Elem), C, KP, GB>;
+  auto kernel = prepare_kernel<InT, Elem, C, KP, GB>;
   set_smem(kernel, L::bytes());
   const dim3 grid(static_cast<unsigned>(a.num_slots), static_cast<unsigned>(a.HV));
   kernel<<<grid, kPrepareThreads, L::bytes(), stream>>>(a);
@@ -89,7 +89,9 @@ void launch_recurrence(const ForwardArgs& a, const ForwardConfig& cfg, cudaStrea
 }
 
 // The three launches (five with context-parallel cuts) for input dtype InT: bf16 inputs take bf16 operands, float16
-// and float32 inputs float operands (split into hi + lo bf16 in the products).
+// and float32 inputs float operands (split into hi + lo bf16 in the products). The prepare kernel reads g by its
+// width, GB = 4 (float32) or 2 (bfloat16 or float16, told apart at run time), so every dtype of g is read as it is
+// and the serving form, float32 g beside 16-bit q, k, v, as fast as g of q's dtype.
 template <typename InT>
 void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t stream) {
   using Elem = typename std::conditional<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16, float>::type;
@@ -98,8 +100,11 @@ void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t
   if (a.num_slots > 0) {
     with_kp(cfg.KP, [&](auto kp_tag) {
       constexpr int KP = decltype(kp_tag)::value;
-      if (cfg.chunk == 32) launch_prepare<InT, Elem, 32, KP>(a, stream);
-      else launch_prepare<InT, Elem, 64, KP>(a, stream);
+      with_bool(a.g.dtype == DType::kFloat32, [&](auto g32) {
+        constexpr int GB = decltype(g32)::value ? 4 : 2;
+        if (cfg.chunk == 32) launch_prepare<InT, Elem, 32, KP, GB>(a, stream);
+        else launch_prepare<InT, Elem, 64, KP, GB>(a, stream);
+      });
     });
   }
   if (a.N == 0) return;

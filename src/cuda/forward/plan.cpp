@@ -9,21 +9,19 @@
 
 namespace kdakit::cuda {
 
-ForwardSmem forward_smem(DType in, const ForwardConfig& cfg) {
+ForwardSmem forward_smem(DType in, DType g, const ForwardConfig& cfg) {
+  // g is read by its width (the prepare kernel's G_BYTES): float32, or 16 bits (bfloat16 or float16).
+  const bool g32 = g == DType::kFloat32;
   switch (in) {
-    case DType::kBFloat16: return forward_smem<2, 2>(cfg);
-    case DType::kFloat16: return forward_smem<2, 4>(cfg);
-    default: return forward_smem<4, 4>(cfg);
+    case DType::kBFloat16: return g32 ? forward_smem<2, 2, 4>(cfg) : forward_smem<2, 2, 2>(cfg);
+    case DType::kFloat16: return g32 ? forward_smem<2, 4, 4>(cfg) : forward_smem<2, 4, 2>(cfg);
+    default: return g32 ? forward_smem<4, 4, 4>(cfg) : forward_smem<4, 4, 2>(cfg);
   }
 }
 
 ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& plan, const DeviceInfo& device,
                                   const Tuning& tuning) {
-  require_kernel_dtypes(p.in);
-  if (p.in.g.dtype != p.in.q.dtype) {
-    throw InvalidArgument("g", std::string("the CUDA forward reads g in the dtype of q, k and v (") +
-                                   dtype_name(p.in.q.dtype) + "), got " + dtype_name(p.in.g.dtype));
-  }
+  require_kernel_dtypes(p.in);  // g in its own dtype: the prepare kernel reads it as it is (G_BYTES)
   const Problem& pr = plan.pr;
   ForwardLaunch fp;
   fp.cfg.chunk = p.chunk_size;
@@ -98,7 +96,7 @@ ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& pl
     const std::size_t limit = tuning.smem_limit > 0 && static_cast<std::size_t>(tuning.smem_limit) < device.smem_optin
                                   ? static_cast<std::size_t>(tuning.smem_limit)
                                   : device.smem_optin;
-    const DType in = p.in.q.dtype;
+    const DType in = p.in.q.dtype, gt = p.in.g.dtype;
     ForwardConfig c = fp.cfg;
     bool fit = false;
     for (int w = bv; w >= 16 && !fit; w /= 2) {
@@ -106,13 +104,13 @@ ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& pl
         c.BV = w;
         c.one_stage = one;
         c.wgmma = wgmma && (w == 64 || w == 128);
-        if (forward_smem(in, c).recurrence <= limit) {
+        if (forward_smem(in, gt, c).recurrence <= limit) {
           fit = true;
           break;
         }
       }
     }
-    const ForwardSmem need = forward_smem(in, c);
+    const ForwardSmem need = forward_smem(in, gt, c);
     if (!fit || need.prepare > limit) {
       const bool rec = !fit;
       throw CudaError("kdakit: the chunked forward's " + std::string(rec ? "recurrence" : "prepare") +

@@ -32,7 +32,8 @@ struct ForwardLaunch {
 ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& plan, const DeviceInfo& device,
                                   const Tuning& tuning);
 
-// Shared memory per block of the prepare kernel and of the recurrence for inputs of `in` and a configuration.
-ForwardSmem forward_smem(DType in, const ForwardConfig& cfg);
+// Shared memory per block of the prepare kernel and of the recurrence for q, k, v of dtype `in`, g of dtype `g` and a
+// configuration.
+ForwardSmem forward_smem(DType in, DType g, const ForwardConfig& cfg);
 
 }  // namespace kdakit::cuda

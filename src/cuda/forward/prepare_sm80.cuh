@@ -11,10 +11,10 @@
 namespace kdakit::cuda {
 
 // bf16 operands: two CTAs per SM (81 KB of shared memory, up to 128 registers). Float operands need twice the tiles:
-// one CTA.
-template <typename InT, typename Elem, int C, int KP>
+// one CTA. GB: g's width (GRaw, with_g_type), 4 for float32, 2 for bfloat16 / float16.
+template <typename InT, typename Elem, int C, int KP, int GB>
 __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) prepare_kernel(const ForwardArgs a) {
-  using L = PrepareLayout<sizeof(InT), sizeof(Elem), C, KP>;
+  using L = PrepareLayout<sizeof(InT), sizeof(Elem), C, KP, GB>;
   using Op = Operand<Elem>;
   constexpr int NSUB = L::NSUB, SW = L::SW, NKS = L::NKS, LDS = L::LDS, PAIRS = SW / 2;
   constexpr int NOFF = NSUB > 1 ? 2 * (NSUB - 1) : 2, NTH = kPrepareThreads;
@@ -31,7 +31,6 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const InT* qp = static_cast<const InT*>(a.q.p);
   const InT* kp = static_cast<const InT*>(a.k.p);
-  const InT* gp = static_cast<const InT*>(a.g.p);
   const InT* vp = static_cast<const InT*>(a.v.p);
   const int64_t ws_tile = (slot * a.HV + hv);
   Elem* ws_qg = static_cast<Elem*>(a.ws_qg) + ws_tile * C * KP;
@@ -44,10 +43,12 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
 
   extern __shared__ __align__(16) char smem_raw[];
   char* uni = smem_raw;
-  Elem* sQx = reinterpret_cast<Elem*>(uni);  // slice phase (see PrepareLayout)
-  Elem* sKx = sQx + C * LDS;
-  Elem* sKd = sKx + C * LDS;
-  Elem* sKb = sKd + C * LDS;
+  Elem* sQx = reinterpret_cast<Elem*>(uni);  // slice phase (see PrepareLayout: sQx, sKd, sKx, sKb)
+  Elem* sKd = sQx + C * LDS;
+  Elem* sKx = sKd + C * LDS;
+  Elem* sKb = sKx + C * LDS;
+  using GR = GRaw<GB>;
+  GR* sG = reinterpret_cast<GR*>(uni + L::g_offset());  // STAGED: the slice's raw g rows [C][LDG], over sKx and sKb
   float* sLT = reinterpret_cast<float*>(uni);                          // phase B: [C][LDL] L, then Tm
   float* sY = reinterpret_cast<float*>(uni + L::r16(4 * C * L::LDL));  // phase B: the inverse's [4 warps][32][LDY]
   Elem* sTb = reinterpret_cast<Elem*>(uni + L::tb_offset());  // phase B: [C][LDC] Tm diag(beta)
@@ -60,12 +61,13 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
   float* sRk = cur.take<float>(C);
   float* sBeta = cur.take<float>(C);
   int* sMax = cur.take<int>(2 * NSUB);  // per slice parity: each block's largest anchor exponent (float bits)
-  // The slice's raw q, k and g, staged in the tiles' layout (STAGED): slice 0's copies are issued first, so that they
-  // are in flight with everything else the CTA loads.
+  // The slice's raw q, k and g, staged in the tiles' layout (STAGED; g in its own width, its bits copied as they
+  // are): slice 0's copies are issued first, so that they are in flight with everything else the CTA loads.
   auto stage_slice = [&](int d0) {
     stage_rows<InT, C, SW>(reinterpret_cast<InT*>(sQx), LDS, qp + d0, a.q, b, row0, h, nrows, a.K - d0, a.vec_qk);
     stage_rows<InT, C, SW>(reinterpret_cast<InT*>(sKd), LDS, kp + d0, a.k, b, row0, h, nrows, a.K - d0, a.vec_qk);
-    stage_rows<InT, C, SW>(reinterpret_cast<InT*>(sKx), LDS, gp + d0, a.g, b, row0, hv, nrows, a.K - d0, a.vec_g);
+    stage_rows<GR, C, SW>(sG, L::LDG, static_cast<const GR*>(a.g.p) + d0, a.g, b, row0, hv, nrows, a.K - d0,
+                          a.vec_g);
     cp_async_commit();
   };
   if constexpr (L::STAGED) stage_slice(0);
@@ -138,7 +140,7 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
   const int valid = ew ? max(0, min(16, nrows - er0)) : 0;  // its rows in the sequence
   const InT* qrow = qp + a.q.offset(b, row0 + er0, h) + dl;
   const InT* krow = kp + a.k.offset(b, row0 + er0, h) + dl;
-  const InT* grow = gp + a.g.offset(b, row0 + er0, hv) + dl;
+  const int64_t grow = a.g.offset(b, row0 + er0, hv) + dl;  // element offset of the thread's g row in a.g
 
   for (int ks = 0; ks < NKS; ++ks) {
     const int d0 = ks * SW, d = d0 + dl;
@@ -155,7 +157,6 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
     // Raw elements d, d + 1 of row i of the thread's block: staged (zero past the rows and K), or from global memory.
     const InT* sraw_q = reinterpret_cast<const InT*>(sQx) + er0 * LDS + dl;
     const InT* sraw_k = reinterpret_cast<const InT*>(sKd) + er0 * LDS + dl;
-    const InT* sraw_g = reinterpret_cast<const InT*>(sKx) + er0 * LDS + dl;
     const bool pq = a.pair_qk && ok1, pg = a.pair_g && ok1;
     auto raw = [&](const InT* staged, const InT* global, int64_t st, bool pair, int i) {
       if constexpr (L::STAGED) return load_pair<InT>(staged + i * LDS, true, true, true);
@@ -165,8 +166,16 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
     //     to its anchor (rows 0..8) and after it (rows 9..15), and the block's largest anchor exponent |G_i - G_8|.
     float2 x[16], tot = make_float2(0.f, 0.f), lam8 = tot, s9 = tot;
     if (ew) {
+      with_g_type<GB>(a.g, [&](auto tag) {  // g of its own dtype: staged, or from global memory
+        using GT = typename decltype(tag)::type;
+        const GT* sg = reinterpret_cast<const GT*>(sG) + er0 * L::LDG + dl;
+        const GT* gg = static_cast<const GT*>(a.g.p) + grow + d0;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) x[i] = raw(sraw_g, grow, a.g.st, pg, i);  // all loads first
+        for (int i = 0; i < 16; ++i) {  // all loads first
+          if constexpr (L::STAGED) x[i] = load_pair<GT>(sg + i * L::LDG, true, true, true);
+          else x[i] = i < valid ? load_pair<GT>(gg + i * a.g.st, ok0, ok1, pg) : make_float2(0.f, 0.f);
+        }
+      });
       float2 bias = make_float2(0.f, 0.f);
       if (a.gate_mode != GateMode::kPreGated && a.dt_bias.present()) {
         const int64_t bo = int64_t(hv) * a.K + d;
@@ -318,7 +327,7 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
             const int r = 16 * ab + j;
             const bool in = okd && r < nrows;
             kk[j] = in ? to_float(kp[a.k.offset(b, row0 + r, h) + dd]) * sRk[r] : 0.f;
-            al[j] = in ? fast_exp2(gate(to_float(gp[a.g.offset(b, row0 + r, hv) + dd]) + bias)) : 1.f;
+            al[j] = in ? fast_exp2(gate(load_g<GB>(a.g, a.g.offset(b, row0 + r, hv) + dd) + bias)) : 1.f;
           }
           for (int i = 0; i < 16; ++i) {
             const int r = 16 * ab + i;

@@ -1,5 +1,5 @@
 // Building blocks of the prepare kernel (forward/prepare_sm80.cuh): staging token rows into operand tiles, paired
-// element loads, and one doubling level of the triangular inverse.
+// element loads, g read by its width, and one doubling level of the triangular inverse.
 #pragma once
 
 #include <type_traits>
@@ -78,6 +78,37 @@ __device__ __forceinline__ float2 load_pair(const InT* p, bool ok0, bool ok1, bo
     }
   }
   return make_float2(ok0 ? to_float(p[0]) : 0.f, ok1 ? to_float(p[1]) : 0.f);
+}
+
+// g by its width GB (ForwardArgs::g): float32 (4), or 16 bits (2), bfloat16 or float16 as a.g.dtype says. GRaw is the
+// storage type of its raw copies (16-bit g staged as bits). with_g_type calls f(TypeTag<T>) with g's element type T:
+// one uniform branch per call site for 16-bit g, outside the row loops, so g of q's dtype costs nothing and the other
+// 16-bit type is read as it is too.
+template <int GB>
+using GRaw = typename std::conditional<GB == 4, float, uint16_t>::type;
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+template <int GB, typename F>
+__device__ __forceinline__ void with_g_type(const TokenRows& g, F&& f) {
+  static_assert(GB == 2 || GB == 4, "g is read as float32 or as a 16-bit float");
+  if constexpr (GB == 4) {
+    f(TypeTag<float>());
+  } else {
+    if (g.dtype == DType::kBFloat16) f(TypeTag<__nv_bfloat16>());
+    else f(TypeTag<__half>());
+  }
+}
+// Element i of g as a float (the exact path's scattered reads).
+template <int GB>
+__device__ __forceinline__ float load_g(const TokenRows& g, int64_t i) {
+  if constexpr (GB == 4) {
+    return static_cast<const float*>(g.p)[i];
+  } else {
+    const uint16_t bits = static_cast<const uint16_t*>(g.p)[i];
+    return g.dtype == DType::kBFloat16 ? __uint_as_float(uint32_t(bits) << 16) : __half2float(__ushort_as_half(bits));
+  }
 }
 
 __device__ __forceinline__ float2 operator+(float2 x, float2 y) { return make_float2(x.x + y.x, x.y + y.y); }

@@ -39,17 +39,20 @@ void forward(const ForwardParams& p, const detail::Plan& plan, const ForwardLaun
   a.g = token_rows(p.in.g);
   a.beta = token_rows(p.in.beta);
   {
-    const int64_t epc = 16 / static_cast<int64_t>(dtype_size(p.in.q.dtype));
-    auto aligned = [&](const TensorView& t) {
+    // 16-byte pieces and aligned pairs in each tensor's own elements (g may be wider or narrower than q, k, v).
+    auto aligned = [](const TensorView& t) {
+      const int64_t epc = 16 / static_cast<int64_t>(dtype_size(t.dtype));
       return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && t.strides[0] % epc == 0 && t.strides[1] % epc == 0 &&
              t.strides[2] % epc == 0;
     };
-    a.vec_qk = pr.K % epc == 0 && aligned(p.in.q) && aligned(p.in.k);
-    a.vec_v = pr.V % epc == 0 && aligned(p.in.v);
-    a.vec_g = pr.K % epc == 0 && aligned(p.in.g);
-    const std::size_t esz = dtype_size(p.in.q.dtype);
-    auto paired = [&](const TensorView& t) {
-      return reinterpret_cast<uintptr_t>(t.data) % (2 * esz) == 0 && t.strides[0] % 2 == 0 &&
+    auto whole_pieces = [](const TensorView& t, int64_t n) {
+      return n % (16 / static_cast<int64_t>(dtype_size(t.dtype))) == 0;
+    };
+    a.vec_qk = whole_pieces(p.in.q, pr.K) && aligned(p.in.q) && aligned(p.in.k);
+    a.vec_v = whole_pieces(p.in.v, pr.V) && aligned(p.in.v);
+    a.vec_g = whole_pieces(p.in.g, pr.K) && aligned(p.in.g);
+    auto paired = [](const TensorView& t) {
+      return reinterpret_cast<uintptr_t>(t.data) % (2 * dtype_size(t.dtype)) == 0 && t.strides[0] % 2 == 0 &&
              t.strides[1] % 2 == 0 && t.strides[2] % 2 == 0;
     };
     a.pair_qk = paired(p.in.q) && paired(p.in.k);

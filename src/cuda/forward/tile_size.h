@@ -33,27 +33,32 @@ constexpr int kPrepareThreads = 256;
 // Row padding of shared-memory operand tiles: a stride of cols + 8 (bf16) or + 4 (float) avoids bank conflicts.
 constexpr int smem_pad(int elem_bytes) { return elem_bytes == 4 ? 4 : 8; }
 
-// Shared memory of prepare_kernel (IN_BYTES: the input dtype's size; ELEM_BYTES: the operands', 2 for bf16, 4 for
-// float). The elementwise pass covers a slice of SW = min(KP, 128) dimensions at once (K = 256: two slices, the
-// intra-chunk products accumulating over both). Slice phase:
+// Shared memory of prepare_kernel (IN_BYTES: the size of q, k and v's dtype; ELEM_BYTES: the operands', 2 for bf16, 4
+// for float; G_BYTES: g's, 2 for bfloat16 or float16, 4 for float32). The elementwise pass covers a slice of
+// SW = min(KP, 128) dimensions at once (K = 256: two slices, the intra-chunk products accumulating over both). Slice
+// phase, in this order:
 //   sQx, sKx [C][LDS]       A operands of P and L: q and k of each 16-row block decayed to the block's anchor (its
 //                           row 8; the block's first row where the exact path takes its diagonal block)
 //   sKd      [C][LDS]       B operand of the diagonal blocks: k decayed from the anchor (k e^-s)
 //   sKb      [KB_ROWS][LDS] B operands of the off-diagonal blocks: for each block a, the rows of every earlier block
 //                           decayed to a's anchor, rows [0, 16 a) at kb_offset(a)
-// STAGED (bf16 inputs with bf16 operands, float32 with float): the slice's raw q, k and g are first copied into sQx,
-// sKd and sKx in the tiles' own layout, and each thread reads its elements there before it overwrites them with its
-// operands (float16 inputs, whose raw rows are narrower than the float tiles, read global memory instead).
+// laid out sQx, sKd, sKx, sKb, so that sKx and sKb are one span.
+// STAGED (bf16 inputs with bf16 operands, float32 with float): the slice's raw q and k are first copied into sQx and
+// sKd in the tiles' own layout, and each thread reads its elements there before it overwrites them with its operands
+// (float16 inputs, whose raw rows are narrower than the float tiles, read global memory instead). The raw g rows go
+// to the sKx / sKb span with their own row stride LDG: [C][LDG] elements of G_BYTES (float32 g beside bf16 operands
+// takes more than sKx alone; the gates are read into registers before any operand is written there).
 // Phase B reuses the bytes: L / Tm in fp32 [C][LDL] and the inverse's scratch, Tm diag(beta) [C][LDC], then the w / u
 // steps' B operands, copied while the epilogue and the inverse run: k e^G [KP / 64][C][LD64] and two 64-column v
 // slices [2][C][LD64].
-template <int IN_BYTES, int ELEM_BYTES, int C, int KP>
+template <int IN_BYTES, int ELEM_BYTES, int C, int KP, int G_BYTES>
 struct PrepareLayout {
   static constexpr int NSUB = C / 16;
   static constexpr int SW = KP < 128 ? KP : 128;  // dimensions per slice
   static constexpr int NKS = KP / SW;             // slices
   static constexpr int PAD = smem_pad(ELEM_BYTES);
   static constexpr int LDS = SW + PAD;
+  static constexpr int LDG = SW + smem_pad(G_BYTES);  // staged raw g rows (STAGED), in g's elements
   static constexpr int LD64 = 64 + PAD;
   static constexpr int LDC = C + PAD;
   static constexpr int LDL = C + 8;  // even (float2 fragment loads) and 8 mod 32 banks
@@ -61,7 +66,13 @@ struct PrepareLayout {
   static constexpr int KB_ROWS = 8 * NSUB * (NSUB - 1);
   static constexpr bool STAGED = IN_BYTES == ELEM_BYTES;
   static constexpr std::size_t r16(std::size_t b) { return (b + 15) & ~std::size_t(15); }
-  static constexpr std::size_t slice_bytes() { return r16(ELEM_BYTES * std::size_t(3 * C + KB_ROWS) * LDS); }
+  static constexpr std::size_t g_offset() { return ELEM_BYTES * std::size_t(2 * C) * LDS; }  // sKx: the raw g rows
+  static constexpr std::size_t g_bytes() { return STAGED ? G_BYTES * std::size_t(C) * LDG : 0; }
+  static constexpr std::size_t slice_bytes() {
+    return r16(ELEM_BYTES * std::size_t(3 * C + KB_ROWS) * LDS > g_offset() + g_bytes()
+                   ? ELEM_BYTES * std::size_t(3 * C + KB_ROWS) * LDS
+                   : g_offset() + g_bytes());
+  }
   static constexpr std::size_t tb_offset() { return r16(4 * C * LDL) + r16(4 * 4 * 32 * LDY); }
   static constexpr std::size_t b64_bytes() { return r16(ELEM_BYTES * std::size_t(C) * LD64); }  // a [C][LD64] slice
   static constexpr std::size_t ks_offset() { return tb_offset() + r16(ELEM_BYTES * std::size_t(C) * LDC); }
@@ -70,6 +81,7 @@ struct PrepareLayout {
   static constexpr std::size_t union_bytes() {
     return slice_bytes() > phase_b_bytes() ? slice_bytes() : phase_b_bytes();
   }
+  static_assert(g_offset() % 16 == 0 && (LDG * G_BYTES) % 16 == 0, "raw g rows copied in 16-byte pieces");
   // The exact path's per-warp [16][17] fp32 scratch sits in the (then unused) diagonal B rows of its block.
   static_assert(ELEM_BYTES * 16 * LDS >= 2 * 16 * 17 * 4, "exact-path scratch fits a block's sKd rows");
   // About 81 KB for bf16 inputs with C = 64, K <= 128: two CTAs per SM.
@@ -164,14 +176,14 @@ constexpr bool kHasOneStage = kVrows<KP, BV, WG> ? VrowsLayout<ELEM_BYTES, KP, B
 
 // Shared memory per block of the prepare kernel and of the recurrence for a configuration, as launched (the same
 // dispatch as launch_forward). ELEM_BYTES: bf16 inputs take bf16 operands (2), float16 and float32 inputs float
-// operands (4, split into hi + lo bf16 in the products).
-template <int IN_BYTES, int ELEM_BYTES>
+// operands (4, split into hi + lo bf16 in the products). G_BYTES: g's element size (the prepare kernel's raw g rows).
+template <int IN_BYTES, int ELEM_BYTES, int G_BYTES>
 ForwardSmem forward_smem(const ForwardConfig& cfg) {
   ForwardSmem r;
   with_kp(cfg.KP, [&](auto kp_tag) {
     constexpr int KP = decltype(kp_tag)::value;
-    r.prepare = cfg.chunk == 32 ? PrepareLayout<IN_BYTES, ELEM_BYTES, 32, KP>::bytes()
-                                : PrepareLayout<IN_BYTES, ELEM_BYTES, 64, KP>::bytes();
+    r.prepare = cfg.chunk == 32 ? PrepareLayout<IN_BYTES, ELEM_BYTES, 32, KP, G_BYTES>::bytes()
+                                : PrepareLayout<IN_BYTES, ELEM_BYTES, 64, KP, G_BYTES>::bytes();
     with_bv<ELEM_BYTES, KP>(cfg.BV, [&](auto bv_tag) {
       constexpr int BV = decltype(bv_tag)::value;
       r.recurrence = recurrence_bytes<ELEM_BYTES, KP, BV>();

@@ -158,7 +158,7 @@ TEST(ForwardPlan, TilesFitTheDevicesSharedMemory) {
           EXPECT_LT(dev.smem_optin, std::size_t(227 * 1024)) << "K = " << K << " " << dtype_name(dt);
           continue;
         }
-        const cuda::ForwardSmem need = cuda::forward_smem(dt, f.cfg);
+        const cuda::ForwardSmem need = cuda::forward_smem(dt, dt, f.cfg);
         EXPECT_LE(need.recurrence, dev.smem_optin) << "K = " << K << " " << dtype_name(dt);
         EXPECT_LE(need.prepare, dev.smem_optin) << "K = " << K << " " << dtype_name(dt);
       }
@@ -173,7 +173,7 @@ TEST(ForwardPlan, SharedMemoryLimitOverrideLowersTheFit) {
   Tuning small;
   small.smem_limit = 99 * 1024;
   const ForwardLaunch f = ForwardCase(1, 8192, 64).plan(kH200, small);
-  EXPECT_LE(cuda::forward_smem(DType::kBFloat16, f.cfg).recurrence, std::size_t(99 * 1024));
+  EXPECT_LE(cuda::forward_smem(DType::kBFloat16, DType::kBFloat16, f.cfg).recurrence, std::size_t(99 * 1024));
   small.smem_limit = 16 * 1024;  // nothing fits: the error names the kernel and the limit
   try {
     ForwardCase(1, 8192, 64).plan(kH200, small);
@@ -195,16 +195,57 @@ TEST(ForwardPlan, TileWidthOverrideAmongTheConfigurationsWidths) {
   EXPECT_EQ(ForwardCase(1, 8192, 64, 0, 128, 128, DType::kFloat32).plan(kH200, t).cfg.BV, 64);
 }
 
-TEST(ForwardPlan, RejectsInputDtypesTheKernelsDoNotTake) {
-  ForwardCase c(1, 256, 4);
-  c.p.in.g.dtype = DType::kFloat32;  // bf16 q, k, v with fp32 g: not yet on CUDA
-  try {
-    c.plan();
-    ADD_FAILURE() << "expected InvalidArgument";
-  } catch (const InvalidArgument& e) {
-    EXPECT_EQ(e.argument(), "g");
-    EXPECT_NE(std::string(e.what()).find("in the dtype of q, k and v (bfloat16), got float32"), std::string::npos) << e.what();
+// g is read in its own dtype (float32 beside bf16 q, k, v is the serving engines' form), so every combination of the
+// kernels' three float dtypes plans; float32 g rows staged beside bf16 operands fit over the slice tiles, so the bf16
+// prepare kernel keeps its shared memory (two CTAs per SM) at chunk 64.
+TEST(ForwardPlan, GInItsOwnDtype) {
+  const DType floats[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+  for (const DType in : floats) {
+    for (const DType g : floats) {
+      for (const int chunk : {32, 64}) {
+        for (const int64_t K : {64, 128, 256}) {
+          ForwardCase c(1, 256, 4, 0, K, 128, in);
+          c.p.in.g.dtype = g;
+          c.p.chunk_size = chunk;
+          const ForwardLaunch f = c.plan();
+          const cuda::ForwardSmem need = cuda::forward_smem(in, g, f.cfg);
+          EXPECT_LE(need.prepare, kH200.smem_optin) << dtype_name(in) << " g " << dtype_name(g) << " K " << K;
+          EXPECT_LE(need.recurrence, kH200.smem_optin) << dtype_name(in) << " g " << dtype_name(g) << " K " << K;
+          EXPECT_EQ(need.recurrence, cuda::forward_smem(in, in, f.cfg).recurrence) << "the recurrence never reads g";
+          if (chunk == 64) {
+            EXPECT_EQ(need.prepare, cuda::forward_smem(in, in, f.cfg).prepare)
+                << dtype_name(in) << " g " << dtype_name(g) << " K " << K;
+          } else {  // float32 g staged beside bf16 operands needs a little more than the chunk-32 slice tiles
+            EXPECT_GE(need.prepare, cuda::forward_smem(in, in, f.cfg).prepare);
+          }
+        }
+      }
+    }
   }
+  ForwardCase c(1, 8192, 64);
+  c.p.in.g.dtype = DType::kFloat32;
+  const ForwardLaunch f = c.plan();
+  EXPECT_LE(cuda::forward_smem(DType::kBFloat16, DType::kFloat32, f.cfg).prepare, std::size_t(113 * 1024))
+      << "two prepare CTAs per SM on Hopper";
+  EXPECT_TRUE(f.cfg.wgmma);  // the recurrence does not depend on g
+}
+
+TEST(ForwardPlan, RejectsInputDtypesTheKernelsDoNotTake) {
+  auto expect_rejected = [](ForwardCase c, const char* argument, const char* text) {
+    try {
+      c.plan();
+      ADD_FAILURE() << "expected InvalidArgument for " << argument;
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(e.argument(), argument);
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  ForwardCase g64(1, 256, 4);
+  g64.p.in.g.dtype = DType::kFloat64;
+  expect_rejected(g64, "g", "float64 runs on the CPU");
+  ForwardCase v32(1, 256, 4);
+  v32.p.in.v.dtype = DType::kFloat32;  // q, k, v share the operand type
+  expect_rejected(v32, "v", "q, k and v of one dtype (bfloat16), got float32");
 }
 
 }  // namespace
