@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kMergeThreads) segment_merge_kernel(const Forw
   int64_t b, t0, len, per;
   sequence(a, n, b, t0, len);
   const int64_t nseg = a.segments_of((len + a.chunk - 1) / a.chunk, per);
-  if (nseg <= 2) return;
+  if (nseg <= 2 || a.state_slot(n) < 0) return;  // a padding sequence's scan gave nothing to merge
   extern __shared__ __align__(16) char smem_raw[];
   float* sS = reinterpret_cast<float*>(smem_raw);  // [KP][LDS] S_start(s), this CTA's columns
   float* sM = sS + KP * L::LDS;                     // [KP][LDM] M_s, keys e0 .. e0 + kMergeKeys - 1

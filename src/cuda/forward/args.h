@@ -24,6 +24,7 @@ struct ForwardArgs : KdaArgs {
   // Workspace: chunk offsets [N+1], then per (chunk slot, v-head) tiles.
   int64_t* chunk_offsets = nullptr;
   int64_t num_slots = 0;  // chunk slots the workspace holds (an upper bound of the real chunks)
+  int64_t tail_slots = 0; // prepare CTAs past them (ForwardLaunch::tail_slots): the padded token tail's zero rows
   void* ws_w = nullptr;   // [slot][HV][C][KP] Elem
   void* ws_qg = nullptr;  // [slot][HV][C][KP] Elem (scale folded in)
   void* ws_kg = nullptr;  // [slot][HV][C][KP] Elem
@@ -55,7 +56,19 @@ struct ForwardArgs : KdaArgs {
   // States.
   bool vk = false;
   StateRef initial, final_state;
-  DynPtr state_indices, has_initial_state;
+  DynPtr state_indices, has_initial_state;  // rows past N are not read
+  int64_t pad_slot_id = -1;                 // StateIO::pad_slot_id
+
+  // Sequence n's state slot: n without indices; with them state_indices[n], or -1 where that slot is padding (spec
+  // §1.7: negative, pad_slot_id, or outside a state pool, which device-side ids the host could not check may be). A
+  // padding sequence reads and writes no state, and its outputs and chunk states are zeros.
+  __device__ __forceinline__ int64_t state_slot(int n) const {
+    if (!state_indices.present()) return n;
+    const int64_t s = state_indices.load_int(n);
+    const bool pad = s < 0 || s == pad_slot_id || (initial.present() && s >= initial.slots) ||
+                     (final_state.present() && s >= final_state.slots);
+    return pad ? -1 : s;
+  }
   DynPtr inter;  // intermediate states [B|1,NT,HV,*,*]
   int64_t inter_sb = 0, inter_sc = 0, inter_sh = 0;
 

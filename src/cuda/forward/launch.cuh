@@ -28,7 +28,7 @@ void launch_prepare(const ForwardArgs& a, cudaStream_t stream) {
   using L = PrepareLayout<sizeof(InT), sizeof(Elem), C, KP, GB>;
   auto kernel = prepare_kernel<InT, Elem, C, KP, GB>;
   set_smem(kernel, L::bytes());
-  const dim3 grid(static_cast<unsigned>(a.num_slots), static_cast<unsigned>(a.HV));
+  const dim3 grid(static_cast<unsigned>(a.num_slots + a.tail_slots), static_cast<unsigned>(a.HV));
   kernel<<<grid, kPrepareThreads, L::bytes(), stream>>>(a);
   check_launch("prepare_kernel");
 }
@@ -97,7 +97,7 @@ void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t
   using Elem = typename std::conditional<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16, float>::type;
   chunk_offsets_kernel<<<1, kMaxOrdered, 0, stream>>>(a);
   check_launch("chunk_offsets_kernel");
-  if (a.num_slots > 0) {
+  if (a.num_slots + a.tail_slots > 0) {
     with_kp(cfg.KP, [&](auto kp_tag) {
       constexpr int KP = decltype(kp_tag)::value;
       with_bool(a.g.dtype == DType::kFloat32, [&](auto g32) {

@@ -29,8 +29,14 @@ ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& pl
   fp.VP = static_cast<int>((pr.V + 63) / 64 * 64);
   fp.esz = p.in.q.dtype == DType::kBFloat16 ? 2 : 4;
   const int64_t C = p.chunk_size;
-  if (pr.varlen) {
-    fp.slots = plan.cu_known ? pr.num_chunks : (pr.T + C - 1) / C + pr.N;
+  if (pr.varlen && plan.cu_known) {
+    fp.slots = pr.num_chunks;
+    // Tokens past the last boundary are padding (spec §1.7): tail_slots more CTAs zero their output rows.
+    fp.tail_slots = (std::max<int64_t>(0, pr.T - plan.cu[pr.N]) + C - 1) / C;
+  } else if (pr.varlen) {
+    // A bound of the chunks, sum ceil(len_n / C) <= (cu[N] + N (C - 1)) / C; its surplus over them,
+    // ceil(T / C) + N - that >= (T - cu[N]) / C, covers the padded token tail's CTAs as well.
+    fp.slots = (pr.T + C - 1) / C + pr.N;
   } else {
     fp.slots = pr.B * ((pr.T + C - 1) / C);
   }
@@ -52,7 +58,7 @@ ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& pl
   // time). Either kernel gives the same bits. (Needs bf16 operands, K <= 128 and V in (64, 128]: the u workspace
   // rows are VP = 128 columns wide.)
   const bool wide128 = fp.cfg.KP <= 128 && fp.esz == 2 && pr.V > 64 && pr.V <= 128;
-  const bool equal_lengths = !pr.varlen || (plan.cu_known && plan.max_len * pr.N == pr.T);
+  const bool equal_lengths = !pr.varlen || (plan.cu_known && plan.max_len * pr.N == plan.cu[pr.N]);
   bool wide_wins = equal_lengths && ctas(64) > sms;
   if (!equal_lengths && plan.cu_known && pr.N <= kMaxOrdered) {
     // Known lengths that differ, run longest first (below): each width's time is about the longer of the longest

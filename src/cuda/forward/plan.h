@@ -18,6 +18,9 @@ struct ForwardLaunch {
   int VP = 64;             // V padded to 64 columns (the u workspace rows)
   std::size_t esz = 2;     // operand bytes: 2 (bf16 inputs), 4 (float16 and float32 inputs)
   int64_t slots = 0;       // chunk slots of the prepare grid and the workspace (an upper bound of the real chunks)
+  // Prepare CTAs (per v-head) past the chunk slots, which zero the output rows of the padded token tail
+  // [cu_seqlens[N], T) (lengths known on the host; without them the surplus of `slots` over the chunks covers it).
+  int64_t tail_slots = 0;
   // Context parallelism (ForwardArgs::seg_target): off when seg_target == 1.
   int seg_target = 1, seg_min_chunks = 0, seg_ld = 0;
   int64_t segments = 0;    // segment slots (the sequences without cuts)

@@ -20,13 +20,20 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
   constexpr int NOFF = NSUB > 1 ? 2 * (NSUB - 1) : 2, NTH = kPrepareThreads;
   const int64_t slot = blockIdx.x;
   const int hv = blockIdx.y;
-  if (slot >= a.chunk_offsets[a.N]) return;
+  if (slot >= a.chunk_offsets[a.N]) {  // past the chunks: the padded token tail's output rows, if any
+    zero_tail_rows<C>(a, slot - a.chunk_offsets[a.N], hv);
+    return;
+  }
   const int n = owner_of(a.chunk_offsets, a.N, slot);
   int64_t b, t0, len;
   sequence(a, n, b, t0, len);
   const int64_t c = slot - a.chunk_offsets[n];
   const int64_t row0 = t0 + c * C;
   const int nrows = static_cast<int>(min(static_cast<int64_t>(C), len - c * C));
+  if (a.state_slot(n) < 0) {  // padding: zero outputs and chunk state; the recurrence skips the sequence
+    zero_padding_chunk(a, b, row0, nrows, slot, c, hv);
+    return;
+  }
   const int h = hv / a.group;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const InT* qp = static_cast<const InT*>(a.q.p);

@@ -1,5 +1,6 @@
 // Building blocks of the prepare kernel (forward/prepare_sm80.cuh): staging token rows into operand tiles, paired
-// element loads, g read by its width, and one doubling level of the triangular inverse.
+// element loads, g read by its width, the padded token tail's zero rows, and one doubling level of the triangular
+// inverse.
 #pragma once
 
 #include <type_traits>
@@ -111,6 +112,26 @@ __device__ __forceinline__ float load_g(const TokenRows& g, int64_t i) {
   }
 }
 
+// Output rows [cu_seqlens[N] + j C, + C) of v-head hv, clipped to T, set to zero: tokens past the last sequence are
+// padding (StateIO's contract, spec §1.7). Tail slot j of the prepare grid (the CTAs past the chunks); every thread
+// of the CTA calls it.
+template <int C>
+__device__ __forceinline__ void zero_tail_rows(const ForwardArgs& a, int64_t j, int hv) {
+  if (!a.cu_seqlens.present()) return;  // fixed length: no tail
+  const int64_t end = a.cu_seqlens.load_int(int64_t(a.N) * a.cu_stride);
+  if (end < 0) return;  // invalid device boundaries (unchecked without a synchronisation): nothing to zero
+  const int64_t r0 = end + j * C;
+  if (r0 >= a.T) return;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(C), a.T - r0));
+  with_typed(a.out, [&](auto* op) {
+    using OutT = std::remove_pointer_t<decltype(op)>;
+    for (int e = threadIdx.x; e < rows * a.V; e += blockDim.x) {
+      const int r = e / a.V, v = e - r * a.V;
+      op[a.out.offset(0, r0 + r, hv) + v] = from_float<OutT>(0.f);
+    }
+  });
+}
+
 __device__ __forceinline__ float2 operator+(float2 x, float2 y) { return make_float2(x.x + y.x, x.y + y.y); }
 __device__ __forceinline__ float2 operator-(float2 x, float2 y) { return make_float2(x.x - y.x, x.y - y.y); }
 __device__ __forceinline__ float2 operator*(float2 x, float2 y) { return make_float2(x.x * y.x, x.y * y.y); }
@@ -137,6 +158,27 @@ __device__ __forceinline__ float sum_squares16(const uint4 v) {
   return s;
 }
 
+
+// A padding sequence's chunk (ForwardArgs::state_slot < 0; spec §1.7): output rows [row0, row0 + nrows) of v-head hv
+// and the chunk's start state in the intermediate states set to zero, in place of its workspace tiles (the recurrence
+// skips the sequence). Every thread of the CTA calls it.
+__device__ __forceinline__ void zero_padding_chunk(const ForwardArgs& a, int64_t b, int64_t row0, int nrows,
+                                                   int64_t slot, int64_t c, int hv) {
+  with_typed(a.out, [&](auto* op) {
+    using OutT = std::remove_pointer_t<decltype(op)>;
+    for (int e = threadIdx.x; e < nrows * a.V; e += blockDim.x) {
+      const int r = e / a.V, v = e - r * a.V;
+      op[a.out.offset(b, row0 + r, hv) + v] = from_float<OutT>(0.f);
+    }
+  });
+  if (a.inter.present()) {
+    with_typed(a.inter, [&](auto* ip) {
+      using IT = std::remove_pointer_t<decltype(ip)>;
+      IT* blk = ip + (a.cu_seqlens.present() ? slot * a.inter_sc : b * a.inter_sb + c * a.inter_sc) + hv * a.inter_sh;
+      for (int e = threadIdx.x; e < a.K * a.V; e += blockDim.x) blk[e] = from_float<IT>(0.f);  // a dense block
+    });
+  }
+}
 
 // One doubling level of the inverse of a unit lower triangular [C][LDL] fp32 tile whose diagonal blocks of 16 rows
 // already hold their inverses: for each pair of row blocks of S = 16 * MT rows (top at `top`, bottom at top + S), the

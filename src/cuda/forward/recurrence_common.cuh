@@ -24,12 +24,15 @@ __device__ __forceinline__ bool segment_sequence(const ForwardArgs& a, int64_t g
   return true;
 }
 
-// A recurrence CTA's work: blockIdx.x = (segment slot, v-head, tile), tiles fastest; the sequence, its chunks in this
-// segment, and whether the tile is a transition tile (SCAN: the K / BV extra tiles that give M). False when the CTA
-// has nothing to do (past the last segment; the scan of a sequence's last segment; M of segment 0).
+// A recurrence CTA's work: blockIdx.x = (segment slot, v-head, tile), tiles fastest; the sequence and its state slot,
+// its chunks in this segment, and whether the tile is a transition tile (SCAN: the K / BV extra tiles that give M).
+// False when the CTA has nothing to do (past the last segment; the scan of a sequence's last segment; M of segment 0).
+// A padding sequence (slot -1) gets no chunks: its outputs and chunk states are the prepare kernel's zeros, and it
+// reads and writes no state. (No early exit for it: that cost the hot kernels registers and spills.)
 struct RecurrenceTile {
   int VT, tile, hv, n, vt, ncols;  // ncols: valid columns (value rows) of this tile's kind
   int64_t gseg, seg, b, t0, len, nch_all, c_begin, c_end, base;
+  int64_t slot;  // ForwardArgs::state_slot: -1 for padding
   bool trans;
 };
 template <int KP, int BV, bool SCAN>
@@ -54,6 +57,8 @@ __device__ __forceinline__ bool recurrence_tile(const ForwardArgs& a, Recurrence
   w.vt = w.trans ? w.tile - w.VT : w.tile;
   w.ncols = w.trans ? a.K : a.V;
   w.base = a.chunk_offsets[w.n];
+  w.slot = a.state_slot(w.n);
+  if (w.slot < 0) w.c_end = w.c_begin;
   return true;
 }
 

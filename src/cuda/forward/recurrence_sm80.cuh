@@ -52,9 +52,8 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
   Elem* sSlo = sS + KP * L::LDB;                                                 // [KP][LDB] (SPLIT_S)
   Elem* sVn = sS + (L::SPLIT_S ? 2 : 1) * KP * L::LDB;                           // [64][LDB]
 
-  // Slots: read initial_state[slot] and write final_state[slot]; -1 neither.
-  int64_t slot = n;
-  if (a.state_indices.present()) slot = a.state_indices.load_int(n);
+  // Slots: read initial_state[slot] and write final_state[slot]; padding (-1) neither (recurrence_tile).
+  const int64_t slot = rt.slot;
   const bool read = seg == 0 && a.initial.present() && slot >= 0 &&
                     (!a.has_initial_state.present() || a.has_initial_state.load_int(n) != 0);
   const bool write = !SCAN && c_end == nch_all && a.final_state.present() && slot >= 0;

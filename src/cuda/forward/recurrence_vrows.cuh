@@ -69,8 +69,7 @@ __global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV>::THREADS)
   };
   Elem* const sO = reinterpret_cast<Elem*>(smem + L::STAGES * L::stage_stride());  // WG: [64][LDB] outputs
 
-  int64_t slot = n;
-  if (a.state_indices.present()) slot = a.state_indices.load_int(n);
+  const int64_t slot = rt.slot;  // padding (-1): no state read or written, no chunks (recurrence_tile)
   const bool read = seg == 0 && a.initial.present() && slot >= 0 &&
                     (!a.has_initial_state.present() || a.has_initial_state.load_int(n) != 0);
   const bool write = !SCAN && c_end == nch_all && a.final_state.present() && slot >= 0;

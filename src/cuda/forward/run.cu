@@ -28,7 +28,8 @@ void forward(const ForwardParams& p, const detail::Plan& plan, const ForwardLaun
     throw InvalidArgument("workspace", "needs " + std::to_string(fp.total) + " bytes, got " +
                                            std::to_string(workspace_bytes) + (workspace ? "" : " (null pointer)"));
   }
-  if (pr.N == 0) return;
+  // No sequences: still the padded token tail's zero rows (varlen; tail_slots, or the slots' bound).
+  if (pr.N == 0 && fp.slots + fp.tail_slots == 0) return;
   DeviceGuard guard(pr.device_index);
   char* ws = static_cast<char*>(workspace);
   ForwardArgs a;
@@ -64,6 +65,7 @@ void forward(const ForwardParams& p, const detail::Plan& plan, const ForwardLaun
   a.chunk = p.chunk_size;
   a.chunk_offsets = reinterpret_cast<int64_t*>(ws + fp.off_offsets);
   a.num_slots = fp.slots;
+  a.tail_slots = fp.tail_slots;
   a.ws_w = ws + fp.off_w;
   a.ws_qg = ws + fp.off_qg;
   a.ws_kg = ws + fp.off_kg;
@@ -87,6 +89,7 @@ void forward(const ForwardParams& p, const detail::Plan& plan, const ForwardLaun
   a.final_state = state_ref(p.state.final_state);
   a.state_indices = dyn_ptr(p.state.state_indices);
   a.has_initial_state = dyn_ptr(p.state.has_initial_state);
+  a.pad_slot_id = p.state.pad_slot_id;
   if (p.intermediate_states.present()) {
     a.inter = dyn_ptr(p.intermediate_states);
     a.inter_sb = p.intermediate_states.strides[0];

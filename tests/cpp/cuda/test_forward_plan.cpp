@@ -1,6 +1,6 @@
 // The chunked forward's launch planner (src/cuda/forward/plan.cpp) as a pure function: tile choice, warpgroup MMAs,
-// the context-parallel cut, the shared-memory fit on smaller GPUs, the workspace layout and the dtype checks, for
-// device facts given here (no GPU, no environment overrides).
+// the context-parallel cut, the shared-memory fit on smaller GPUs, the workspace layout, the dtype checks and the
+// padded token tail, for device facts given here (no GPU, no environment overrides).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -246,6 +246,47 @@ TEST(ForwardPlan, RejectsInputDtypesTheKernelsDoNotTake) {
   ForwardCase v32(1, 256, 4);
   v32.p.in.v.dtype = DType::kFloat32;  // q, k, v share the operand type
   expect_rejected(v32, "v", "q, k and v of one dtype (bfloat16), got float32");
+}
+
+// The padded token tail of a varlen batch (CUDA-graph batches: tokens past cu_seqlens[N]) gets prepare CTAs that zero
+// its output rows; the workspace holds only the real chunks.
+TEST(ForwardPlan, PaddedTokenTailGetsZeroingCtas) {
+  ForwardCase c({100, 30, 0, 270}, 8);
+  detail::Plan plan = detail::plan_forward(c.p);
+  const ForwardLaunch f0 = cuda::plan_forward_launch(c.p, plan, kH200, Tuning());
+  EXPECT_EQ(f0.slots, 2 + 1 + 0 + 5);
+  EXPECT_EQ(f0.tail_slots, 0);
+  // The same sequences in a batch padded to 400 + 150 tokens (the plan as validation makes it for such a call).
+  plan.pr.T += 150;
+  const ForwardLaunch f = cuda::plan_forward_launch(c.p, plan, kH200, Tuning());
+  EXPECT_EQ(f.slots, f0.slots);
+  EXPECT_EQ(f.tail_slots, 3);  // ceil(150 / 64)
+  EXPECT_EQ(f.total, f0.total) << "the tail needs no workspace";
+  plan.pr.T += 42;  // a tail of 192 tokens: three CTAs of 64 rows
+  EXPECT_EQ(cuda::plan_forward_launch(c.p, plan, kH200, Tuning()).tail_slots, 3);
+  plan.pr.T += 1;
+  EXPECT_EQ(cuda::plan_forward_launch(c.p, plan, kH200, Tuning()).tail_slots, 4);
+}
+
+// Without host lengths the prepare grid is the bound ceil(T / C) + N of the chunks; the CTAs it has past the real
+// chunks zero the padded tail, so the bound must leave at least ceil((T - cu[N]) / C) of them, for any lengths.
+TEST(ForwardPlan, ChunkBoundCoversThePaddedTail) {
+  for (const int64_t C : {32, 64}) {
+    for (const std::vector<int64_t>& lens : std::vector<std::vector<int64_t>>{
+             {1}, {0, 0, 0}, {63, 65, 1, 127}, {64, 64}, {3000, 1, 2, 5}, {31, 33, 95, 0, 7}}) {
+      for (const int64_t tail : {0, 1, 31, 32, 63, 64, 65, 1000}) {
+        ForwardCase c(lens, 8, /*host_lengths=*/false);
+        c.p.chunk_size = static_cast<int>(C);
+        detail::Plan plan = detail::plan_forward(c.p);
+        plan.pr.T += tail;  // the device-side boundaries end before T
+        const ForwardLaunch f = cuda::plan_forward_launch(c.p, plan, kH200, Tuning());
+        int64_t chunks = 0;
+        for (const int64_t l : lens) chunks += (l + C - 1) / C;
+        EXPECT_EQ(f.tail_slots, 0);
+        EXPECT_GE(f.slots - chunks, (tail + C - 1) / C) << "C " << C << " tail " << tail;
+      }
+    }
+  }
 }
 
 }  // namespace
