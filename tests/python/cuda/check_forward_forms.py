@@ -209,6 +209,37 @@ def test_other_g_dtypes_read_as_they_are(dtype, g_dtype):
     check_dtypes(dtype, g_dtype, gate="lower_bound", beta_logits=True)
 
 
+@pytest.mark.parametrize("dtype,gate,K,chunk_size", [(torch.bfloat16, "softplus", 128, 64),
+                                                     (torch.bfloat16, "pre", 256, 64),
+                                                     (torch.bfloat16, "lower_bound", 128, 32),
+                                                     (torch.float16, "softplus", 128, 64),
+                                                     (torch.float32, "lower_bound", 100, 64)])
+def test_g_width_changes_no_bit(dtype, gate, K, chunk_size):
+    """g's values, not its dtype, make the result: float32 g holding 16-bit values gives the bits of the 16-bit g
+    (both widths stage and read the same numbers), and so does the other 16-bit type where the values are exact."""
+    lens = [300, 1, 129]
+    x = inputs(sum(lens), 2, 4, K, K, dtype=dtype, g_dtype=torch.bfloat16, gate=gate, beta_logits=gate != "pre")
+    cu = [0, 300, 301, 430]
+    cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    pool = torch.randn(3, 4, K, K, device="cuda")
+    results = []
+    for g_dtype in (torch.bfloat16, torch.float32):
+        y = dict(x, g=x["g"].to(g_dtype))
+        p = pool.clone()
+        out, h = cuda_forward(y, cu=cu_dev, pool=p, indices=torch.tensor([2, 0, 1], dtype=torch.int32, device="cuda"),
+                              chunk_size=chunk_size, inter_chunks=sum((n + chunk_size - 1) // chunk_size for n in lens))
+        results.append((out, h, p))
+    for a, b in zip(results[0], results[1]):
+        assert torch.equal(a, b), "float32 g holding bf16 values changed the result"
+    # float16 g holding values that float16 represents exactly (small integers / 8) against the same values in float32
+    small = (torch.randint(-40, 1, x["g"].shape, device="cuda") / 8.0)
+    outs = []
+    for g_dtype in (torch.float16, torch.float32):
+        y = dict(x, g=small.to(g_dtype))
+        outs.append(cuda_forward(y, cu=cu_dev, chunk_size=chunk_size)[0])
+    assert torch.equal(outs[0], outs[1]), "float16 g and float32 g of the same values differ"
+
+
 @pytest.mark.parametrize("K,chunk_size", [(256, 64), (128, 32), (64, 32)])
 def test_float32_g_tile_shapes(K, chunk_size):
     """Two 128-dimension slices (K = 256) and the chunk-32 layout, whose float32 g rows need more than its tiles."""
