@@ -13,7 +13,13 @@ from .ops import chunk_fwd_into
 InvalidArgumentError = _C.InvalidArgumentError
 
 _KNOWN_KWARGS = {"A_log", "dt_bias", "chunk_size", "transpose_state_layout", "ssm_state_indices",
-                 "has_initial_state", "inplace_final_state", "out"}
+                 "has_initial_state", "inplace_final_state", "out", "pad_slot_id"}
+
+
+def pad_slot_id_of(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"pad_slot_id: expected an int (-1 or a slot id >= 0), got {value!r}")
+    return value
 
 
 def _needs_grad(*tensors) -> bool:
@@ -59,11 +65,15 @@ def chunk_kda(
     Args are FLA's (spec §5.1); keyword-only extras: ``A_log``, ``dt_bias``, ``chunk_size`` (32 or 64) and
     ``transpose_state_layout`` (deprecated alias of ``state_v_first``), and kdakit's serving arguments:
 
-    - ``ssm_state_indices`` ([N] int): ``initial_state`` is a state pool; sequence n starts from slot
-      ``ssm_state_indices[n]`` and its final state is written back to that slot in place (-1: start from zero,
-      write nothing). ``inplace_final_state`` must be True (the default) in this mode.
+    - ``ssm_state_indices`` ([N] int, or more rows: those past N are ignored): ``initial_state`` is a state pool;
+      sequence n starts from slot ``ssm_state_indices[n]`` and its final state is written back to that slot in
+      place. ``inplace_final_state`` must be True (the default) in this mode.
+    - ``pad_slot_id`` (int, default -1): a slot id that is padding, besides any negative one (vLLM's 0). A padded
+      sequence reads and writes no state and its output rows are zeros.
     - ``has_initial_state`` ([N] bool): False starts that sequence from zero.
     - ``out``: a caller-provided output buffer [B,T,HV,V].
+
+    With ``cu_seqlens`` the tokens past ``cu_seqlens[-1]`` are padding: their output rows are zeros.
 
     The serving arguments, like ``return_intermediate_states``, are inference-only.
 
@@ -81,6 +91,7 @@ def chunk_kda(
     has_initial_state = kwargs.pop("has_initial_state", None)
     inplace_final_state = kwargs.pop("inplace_final_state", None)
     out = kwargs.pop("out", None)
+    pad_slot_id = pad_slot_id_of(kwargs.pop("pad_slot_id", -1))
 
     if cp_context is not None:
         if initial_state is not None:
@@ -116,7 +127,8 @@ def chunk_kda(
         cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu) if varlen else None
         chunks = num_chunks(q.shape[1], q.shape[0], cu, chunk_size)
 
-    serving = ssm_state_indices is not None or has_initial_state is not None or out is not None
+    serving = (ssm_state_indices is not None or has_initial_state is not None or out is not None
+               or pad_slot_id != -1)
     if q.device.type == "cuda" and _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
         raise NotImplementedError(
             "chunk_kda: the CUDA backward is not implemented yet; run the forward under torch.no_grad() or "
@@ -132,7 +144,7 @@ def chunk_kda(
     # Serving prefill: caller buffers and/or a state pool, in place. Inference only.
     if _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
         raise InvalidArgumentError(
-            "ssm_state_indices/has_initial_state/out: the serving forward has no autograd; call it under "
+            "ssm_state_indices/has_initial_state/out/pad_slot_id: the serving forward has no autograd; call it under "
             "torch.no_grad() or torch.inference_mode()")
     if inplace_final_state is False and ssm_state_indices is not None:
         raise InvalidArgumentError(
@@ -155,8 +167,8 @@ def chunk_kda(
     if return_intermediate_states:
         h = q.new_empty((1 if varlen else B, chunks) + state_shape(1, HV, K, V, state_v_first)[1:], dtype=k.dtype)
     chunk_fwd_into(q, k, v, g, beta, A_log, dt_bias, None if final_is_initial else initial_state, out, final_state, h,
-                   cu_seqlens, cu_seqlens_cpu, ssm_state_indices, has_initial_state, final_is_initial, scale, gate,
-                   lb, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, chunk_size,
-                   state_v_first)
+                   cu_seqlens, cu_seqlens_cpu, ssm_state_indices, has_initial_state, pad_slot_id, final_is_initial,
+                   scale, gate, lb, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
+                   chunk_size, state_v_first)
     ret_final = final_state if (output_final_state or final_is_initial) else None
     return (out, ret_final, h) if return_intermediate_states else (out, ret_final)

@@ -8,17 +8,17 @@ import torch
 
 from . import _C
 from ._torch import gate_mode, num_sequences, state_shape
-from .chunk import resolve_state_layout
+from .chunk import pad_slot_id_of, resolve_state_layout
 from .ops import recurrent_into
 
 InvalidArgumentError = _C.InvalidArgumentError
 
 _SERVING_KWARGS = {"transpose_state_layout", "ssm_state_indices", "num_accepted_tokens", "inplace_final_state", "out",
-                   "has_initial_state"}
+                   "has_initial_state", "pad_slot_id"}
 
 
 def _recurrent(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, inplace_final_state,
-               state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, has_initial_state,
+               state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, has_initial_state, pad_slot_id,
                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
                out, caller):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias,
@@ -26,6 +26,7 @@ def _recurrent(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_fi
         raise InvalidArgumentError(
             f"{caller}: has no backward; call it under torch.no_grad() or torch.inference_mode(), or use chunk_kda "
             "for training")
+    pad_slot_id = pad_slot_id_of(pad_slot_id)
     if inplace_final_state and initial_state is None:
         raise InvalidArgumentError("initial_state: inplace_final_state=True needs the state (pool) to update")
     B, T, _, K = q.shape
@@ -51,7 +52,7 @@ def _recurrent(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_fi
         final_state = q.new_empty(state_shape(num_sequences(q, cu_seqlens), HV, K, V, state_v_first),
                                   dtype=torch.float32)
     recurrent_into(q, k, v, g, beta, A_log, dt_bias, None if inplace_final_state else initial_state, out, final_state,
-                   token_states, cu_seqlens, ssm_state_indices, num_accepted_tokens, has_initial_state,
+                   token_states, cu_seqlens, ssm_state_indices, num_accepted_tokens, has_initial_state, pad_slot_id,
                    bool(inplace_final_state), scale, gate, lb, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                    allow_neg_eigval, state_v_first)
     if token_states is not None:
@@ -82,8 +83,8 @@ def fused_recurrent_kda(
     """Token-recurrent KDA forward (no autograd), FLA-compatible.
 
     Unlike FLA, the serving keywords are honoured, not swallowed: ``ssm_state_indices`` ([N] or [N,T_max]),
-    ``num_accepted_tokens`` ([N]), ``inplace_final_state`` (default False here), ``has_initial_state`` ([N]) and
-    ``out``; see `fused_recurrent_kda_fwd`. ``beta`` may be per value column, [B,T,HV,V].
+    ``num_accepted_tokens`` ([N]), ``inplace_final_state`` (default False here), ``has_initial_state`` ([N]),
+    ``pad_slot_id`` and ``out``; see `fused_recurrent_kda_fwd`. ``beta`` may be per value column, [B,T,HV,V].
     Returns ``(o, final_state)``.
     """
     state_v_first = resolve_state_layout(state_v_first, kwargs)
@@ -93,9 +94,9 @@ def fused_recurrent_kda(
     return _recurrent(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                       kwargs.get("inplace_final_state", False), state_v_first, cu_seqlens,
                       kwargs.get("ssm_state_indices"), kwargs.get("num_accepted_tokens"),
-                      kwargs.get("has_initial_state"), use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                      use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, kwargs.get("out"),
-                      "fused_recurrent_kda")
+                      kwargs.get("has_initial_state"), kwargs.get("pad_slot_id", -1), use_qk_l2norm_in_kernel,
+                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+                      kwargs.get("out"), "fused_recurrent_kda")
 
 
 def fused_recurrent_kda_fwd(
@@ -121,6 +122,7 @@ def fused_recurrent_kda_fwd(
     lower_bound: Optional[float] = None,
     out: Optional[torch.Tensor] = None,
     has_initial_state: Optional[torch.Tensor] = None,
+    pad_slot_id: int = -1,
 ):
     """The serving entry (decode and speculative verify), FLA's signature (spec §5.4).
 
@@ -128,13 +130,18 @@ def fused_recurrent_kda_fwd(
       or bfloat16 when ``ssm_state_indices`` is given, else ``[N,HV,K,V]``.
     - ``ssm_state_indices`` [N]: read slot ``idx[n]`` and, in place, write the final state back to it.
       [N,T_max]: read slot ``idx[n, a_n-1]`` (``a_n = num_accepted_tokens[n]``, or 1) and, in place, write the
-      state after every token t to slot ``idx[n, t]``. A slot of -1 is neither read nor written.
+      state after every token t to slot ``idx[n, t]``. Rows past N are ignored.
+    - Padding (CUDA-graph batches): a slot id that is negative or equal to ``pad_slot_id`` (default -1; vLLM's 0)
+      is padding. A sequence whose (read) slot is padding reads and writes no state and its output rows are zeros;
+      a per-token write slot that is padding is skipped. With ``cu_seqlens`` the tokens past ``cu_seqlens[-1]`` are
+      padding too (zero output rows).
     - ``inplace_final_state=False`` leaves the pool untouched (speculative verify): with slot indices the second
-      return value is then the state after every token, ``[T_total,HV,K,V]`` float32, to commit later.
+      return value is then the state after every token, ``[T_total,HV,K,V]`` float32, to commit later (zeros for
+      the tokens of padding).
     - ``has_initial_state`` [N] bool: False starts that sequence from the zero state.
     - ``out``: caller-provided output ``[B,T,HV,V]``.
     """
     return _recurrent(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, inplace_final_state,
-                      state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, has_initial_state,
+                      state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, has_initial_state, pad_slot_id,
                       use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                       lower_bound, out, "fused_recurrent_kda_fwd")

@@ -155,15 +155,15 @@ def chunk_fwd_into(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_l
                    dt_bias: Optional[Tensor], initial_state: Optional[Tensor], out: Tensor,
                    final_state: Optional[Tensor], intermediate_states: Optional[Tensor],
                    cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor], state_indices: Optional[Tensor],
-                   has_initial_state: Optional[Tensor], final_is_initial: bool, scale: float, gate: int,
-                   lower_bound: float, qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool, safe_gate: bool,
-                   chunk_size: int, state_v_first: bool) -> None:
+                   has_initial_state: Optional[Tensor], pad_slot_id: int, final_is_initial: bool, scale: float,
+                   gate: int, lower_bound: float, qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool,
+                   safe_gate: bool, chunk_size: int, state_v_first: bool) -> None:
     """final_is_initial: final_state is a pool that is also read (initial_state must then be None)."""
     p = _C.ForwardParams()
     fill_inputs(p.inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale, gate, lower_bound,
                 qk_l2norm, beta_sigmoid, allow_neg_eigval)
     _C.set_state(p.state, state_v_first, final_state if final_is_initial else initial_state, final_state,
-                 state_indices, has_initial_state)
+                 state_indices, has_initial_state, pad_slot_id)
     p.chunk_size = chunk_size
     p.safe_gate = safe_gate
     p.out = view(out)
@@ -184,14 +184,14 @@ def _recurrent_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_
                     dt_bias: Optional[Tensor], initial_state: Optional[Tensor], out: Tensor,
                     final_state: Optional[Tensor], token_states: Optional[Tensor], cu_seqlens: Optional[Tensor],
                     state_indices: Optional[Tensor], num_accepted_tokens: Optional[Tensor],
-                    has_initial_state: Optional[Tensor], final_is_initial: bool, scale: float, gate: int,
-                    lower_bound: float, qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool,
+                    has_initial_state: Optional[Tensor], pad_slot_id: int, final_is_initial: bool, scale: float,
+                    gate: int, lower_bound: float, qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool,
                     state_v_first: bool) -> None:
     p = _C.DecodeParams()
     fill_inputs(p.inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, None, scale, gate, lower_bound, qk_l2norm,
                 beta_sigmoid, allow_neg_eigval)
     _C.set_state(p.state, state_v_first, final_state if final_is_initial else initial_state, final_state,
-                 state_indices, has_initial_state)
+                 state_indices, has_initial_state, pad_slot_id)
     p.num_accepted_tokens = view(num_accepted_tokens)
     p.out = view(out)
     p.token_states = view(token_states)

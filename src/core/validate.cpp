@@ -140,8 +140,9 @@ void read_cu_seqlens(const KdaInputs& in, Plan& plan) {
                      std::to_string(plan.cu[i + 1]) + " at index " + std::to_string(i + 1));
     }
   }
-  if (plan.cu[pr.N] != pr.T) {
-    fail(name, "last entry must equal the number of tokens T = " + std::to_string(pr.T) + " (q.shape[1]), got " +
+  // Tokens past the last boundary are padding (a batch padded to a captured size): at most T, not exactly T.
+  if (plan.cu[pr.N] > pr.T) {
+    fail(name, "last entry must not exceed the number of tokens T = " + std::to_string(pr.T) + " (q.shape[1]), got " +
                    std::to_string(plan.cu[pr.N]));
   }
   plan.cu_known = true;
@@ -303,6 +304,13 @@ void check_state_io(const StateIO& st, const Plan& plan, bool allow_2d_indices) 
     for (int i = 0; i < 4 && same; ++i) same = a.shape[i] == b.shape[i] && a.strides[i] == b.strides[i];
     if (!same) fail("final_state", "shares memory with initial_state (in place) but differs in dtype, shape or strides");
   }
+  if (st.pad_slot_id < -1) {
+    fail("pad_slot_id", "must be -1 (the default) or a slot id >= 0, got " + std::to_string(st.pad_slot_id));
+  }
+  if (!indexed && st.pad_slot_id != -1) {
+    fail("pad_slot_id", "is " + std::to_string(st.pad_slot_id) +
+                            " but no ssm_state_indices were given (without indices no sequence is padding)");
+  }
   if (indexed) {
     const TensorView& idx = st.state_indices;
     if (!st.initial_state.present() && !st.final_state.present()) {
@@ -319,9 +327,10 @@ void check_state_io(const StateIO& st, const Plan& plan, bool allow_2d_indices) 
       fail("ssm_state_indices", std::string("expected shape [N]") + (allow_2d_indices ? " or [N,T_max]" : "") +
                                     ", got " + idx.shape_str());
     }
-    if (idx.shape[0] != pr.N) {
-      fail("ssm_state_indices", "expected one row per sequence (N = " + std::to_string(pr.N) + "), got shape " +
-                                    idx.shape_str());
+    // Rows past N (a batch padded to a captured size) are ignored.
+    if (idx.shape[0] < pr.N) {
+      fail("ssm_state_indices", "expected one row per sequence (N = " + std::to_string(pr.N) +
+                                    "; rows past N are ignored), got shape " + idx.shape_str());
     }
     if (idx.ndim == 2 && plan.cu_known && idx.shape[1] < plan.max_len) {
       fail("ssm_state_indices", "has " + std::to_string(idx.shape[1]) + " slots per sequence but the longest sequence has " +
@@ -332,9 +341,11 @@ void check_state_io(const StateIO& st, const Plan& plan, bool allow_2d_indices) 
       for (int64_t n = 0; n < pr.N; ++n) {
         for (int64_t c = 0; c < cols; ++c) {
           const int64_t slot = idx.ndim == 2 ? read_int(idx, n, c) : read_int(idx, n);
+          if (slot == st.pad_slot_id) continue;  // padding, whatever the pool's size
           if (slot < -1) {
             fail("ssm_state_indices", "slot " + std::to_string(slot) + " of sequence " + std::to_string(n) +
-                                          " is invalid (use -1 for padding)");
+                                          " is invalid (padding is -1 or pad_slot_id = " +
+                                          std::to_string(st.pad_slot_id) + ")");
           }
           for (const TensorView* pool : {&st.initial_state, &st.final_state}) {
             if (pool->present() && slot >= pool->shape[0]) {
@@ -351,8 +362,9 @@ void check_state_io(const StateIO& st, const Plan& plan, bool allow_2d_indices) 
     const TensorView& m = st.has_initial_state;
     if (!st.initial_state.present()) fail("has_initial_state", "was given but there is no initial_state");
     require_ndim(m, "has_initial_state", 1, "[N]");
-    if (m.shape[0] != pr.N) {
-      fail("has_initial_state", "expected " + std::to_string(pr.N) + " entries (one per sequence), got " + m.shape_str());
+    if (m.shape[0] < pr.N) {
+      fail("has_initial_state", "expected " + std::to_string(pr.N) +
+                                    " entries (one per sequence; entries past N are ignored), got " + m.shape_str());
     }
     if (!is_index(m.dtype) && m.dtype != DType::kBool && m.dtype != DType::kUInt8) {
       fail("has_initial_state", std::string("expected a bool or integer tensor, got ") + dtype_name(m.dtype));
@@ -462,8 +474,9 @@ Plan plan_decode(const DecodeParams& p) {
     require_index(a, "num_accepted_tokens");
     require_data(a, "num_accepted_tokens");
     require_device(a, "num_accepted_tokens", pr);
-    if (a.shape[0] != pr.N) {
-      fail("num_accepted_tokens", "expected " + std::to_string(pr.N) + " entries, got " + a.shape_str());
+    if (a.shape[0] < pr.N) {
+      fail("num_accepted_tokens", "expected " + std::to_string(pr.N) +
+                                      " entries (one per sequence; entries past N are ignored), got " + a.shape_str());
     }
     if (a.device == Device::kCPU) {
       for (int64_t n = 0; n < pr.N; ++n) {

@@ -227,6 +227,18 @@ void backward(const BackwardParams& p, const detail::Plan& plan) {
     }
   });
 
+  // The padded token tail has zero gradients.
+  const SeqRange tail = tail_range(plan);
+  for (int64_t hv = 0; hv < pr.HV && tail.len > 0; ++hv) {
+    zero_token_rows<double>(p.dv, tail, hv);
+    zero_token_rows<double>(p.dg, tail, hv);
+    zero_token_rows<double>(p.dbeta, tail, hv);
+  }
+  for (int64_t h = 0; h < pr.H && tail.len > 0; ++h) {
+    zero_token_rows<double>(p.dq, tail, h);
+    zero_token_rows<double>(p.dk, tail, h);
+  }
+
   // Deterministic reductions over sequences.
   if (p.dA_log.present()) {
     for (int64_t hv = 0; hv < pr.HV; ++hv) {

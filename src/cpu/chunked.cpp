@@ -253,6 +253,17 @@ void forward_chunked(const ForwardParams& p, const detail::Plan& plan) {
     Scratch sc(ws + worker * per_worker, C, K, V);
     const SeqRange seq = seq_range(plan, n);
     const SlotPlan slots = plan_slots(st, nullptr, n);
+    if (slots.padding) {  // no state read or written; zero outputs and chunk states
+      zero_token_rows<float>(p.out, seq, hv);
+      if (p.intermediate_states.present()) {
+        const TensorView& hs = p.intermediate_states;
+        for (int64_t c0 = 0; c0 < seq.len; c0 += C) {
+          const int64_t c = pr.varlen ? plan.chunk_offsets[n] + c0 / C : c0 / C;
+          store_zero_block<float>(hs, seq.b * hs.strides[0] + c * hs.strides[1] + hv * hs.strides[2], K, V);
+        }
+      }
+      return;
+    }
     std::fill(sc.S, sc.S + K * V, 0.f);
     if (slots.read >= 0) {
       load_state_block<float>(st.initial_state, state_offset(st.initial_state, slots.read, hv), st.layout, K, V, sc.S);
@@ -282,6 +293,8 @@ void forward_chunked(const ForwardParams& p, const detail::Plan& plan) {
       store_state_block<float>(st.final_state, state_offset(st.final_state, slots.write, hv), st.layout, K, V, sc.S);
     }
   });
+  const SeqRange tail = tail_range(plan);
+  for (int64_t hv = 0; hv < pr.HV && tail.len > 0; ++hv) zero_token_rows<float>(p.out, tail, hv);
 }
 
 }  // namespace kdakit::cpu

@@ -102,4 +102,21 @@ inline SeqRange seq_range(const detail::Plan& plan, int64_t n) {
   return {n, 0, eos - bos};
 }
 
+// The padded token tail of a varlen batch, [cu_seqlens[N], T) (spec §1.8); empty for fixed-length inputs.
+inline SeqRange tail_range(const detail::Plan& plan) {
+  if (!plan.pr.varlen) return {0, plan.pr.T, 0};
+  return {0, plan.cu[plan.pr.N], plan.pr.T - plan.cu[plan.pr.N]};
+}
+
+// Zeros in the rows [t0, t0 + len) of one head of a [B,T,heads,X] or [B,T,heads] tensor (outputs and gradients of
+// padding).
+template <class Acc>
+inline void zero_token_rows(const TensorView& t, const SeqRange& rows, int64_t head) {
+  const int64_t X = t.ndim == 4 ? t.shape[3] : 1, xs = t.ndim == 4 ? t.strides[3] : 0;
+  for (int64_t s = rows.t0; s < rows.t0 + rows.len; ++s) {
+    const int64_t off = offset4(t, rows.b, s, head);
+    for (int64_t i = 0; i < X; ++i) store_elem<Acc>(t.data, t.dtype, off + i * xs, Acc(0));
+  }
+}
+
 }  // namespace kdakit::cpu

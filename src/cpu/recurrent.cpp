@@ -18,6 +18,27 @@ struct RecurrenceOutputs {
   const TensorView* num_accepted = nullptr;
 };
 
+// The outputs of padding: zero output rows and zero per-token states over `rows`, and zero chunk states for the
+// chunks of a padded sequence n (n < 0: the token tail, which has no chunks).
+template <class Acc>
+void write_padding(const Problem& pr, const detail::Plan& plan, const RecurrenceOutputs& io, const SeqRange& rows,
+                   int64_t n, int64_t hv) {
+  zero_token_rows<Acc>(*io.out, rows, hv);
+  if (io.token_states) {
+    const TensorView& ts = *io.token_states;
+    for (int64_t s = rows.t0; s < rows.t0 + rows.len; ++s) {
+      store_zero_block<Acc>(ts, state_offset(ts, rows.b * pr.T + s, hv), pr.K, pr.V);
+    }
+  }
+  if (io.chunk_states && n >= 0) {
+    const TensorView& hs = *io.chunk_states;
+    for (int64_t i = 0; i < rows.len; i += io.chunk_size) {
+      const int64_t c = pr.varlen ? plan.chunk_offsets[n] + i / io.chunk_size : i / io.chunk_size;
+      store_zero_block<Acc>(hs, rows.b * hs.strides[0] + c * hs.strides[1] + hv * hs.strides[2], pr.K, pr.V);
+    }
+  }
+}
+
 template <class Acc>
 void run_recurrence(const KdaInputs& in, const StateIO& st, const detail::Plan& plan, const RecurrenceOutputs& io) {
   const Problem& pr = plan.pr;
@@ -27,6 +48,10 @@ void run_recurrence(const KdaInputs& in, const StateIO& st, const detail::Plan& 
     const int64_t n = task / pr.HV, hv = task % pr.HV, h = hv / pr.group;
     const SeqRange seq = seq_range(plan, n);
     const SlotPlan slots = plan_slots(st, io.num_accepted, n);
+    if (slots.padding) {
+      write_padding<Acc>(pr, plan, io, seq, n, hv);
+      return;
+    }
     std::vector<Acc> S(K * V, Acc(0)), q(K), k(K), g(K), v(V), e(V), betas(V), o(V);
     if (slots.read >= 0) {
       load_state_block<Acc>(st.initial_state, state_offset(st.initial_state, slots.read, hv), st.layout, K, V, S.data());
@@ -74,13 +99,17 @@ void run_recurrence(const KdaInputs& in, const StateIO& st, const detail::Plan& 
       }
       if (slots.per_token) {
         const int64_t w = detail::read_int(st.state_indices, n, i);
-        if (w >= 0) store_state_block<Acc>(st.final_state, state_offset(st.final_state, w, hv), st.layout, K, V, S.data());
+        if (!is_padding_slot(w, st.pad_slot_id)) {
+          store_state_block<Acc>(st.final_state, state_offset(st.final_state, w, hv), st.layout, K, V, S.data());
+        }
       }
     }
     if (slots.write >= 0) {
       store_state_block<Acc>(st.final_state, state_offset(st.final_state, slots.write, hv), st.layout, K, V, S.data());
     }
   });
+  const SeqRange tail = tail_range(plan);
+  for (int64_t hv = 0; hv < pr.HV && tail.len > 0; ++hv) write_padding<Acc>(pr, plan, io, tail, -1, hv);
 }
 
 }  // namespace

@@ -272,7 +272,8 @@ NB_MODULE(_C, m) {
       .def_rw("initial_state", &StateIO::initial_state)
       .def_rw("final_state", &StateIO::final_state)
       .def_rw("state_indices", &StateIO::state_indices)
-      .def_rw("has_initial_state", &StateIO::has_initial_state);
+      .def_rw("has_initial_state", &StateIO::has_initial_state)
+      .def_rw("pad_slot_id", &StateIO::pad_slot_id);
 
   // Whole-struct setters: one call from Python instead of a field assignment per tensor (host time per decode step).
   m.def(
@@ -306,15 +307,16 @@ NB_MODULE(_C, m) {
   m.def(
       "set_state",
       [](StateIO& st, bool v_first, nb::handle initial, nb::handle final_state, nb::handle indices,
-         nb::handle has_initial) {
+         nb::handle has_initial, int64_t pad_slot_id) {
         st.layout = v_first ? StateLayout::kVK : StateLayout::kKV;
         st.initial_state = view_of_object(initial);
         st.final_state = view_of_object(final_state);
         st.state_indices = view_of_object(indices);
         st.has_initial_state = view_of_object(has_initial);
+        st.pad_slot_id = pad_slot_id;
       },
       nb::arg("state"), nb::arg("v_first"), nb::arg("initial_state").none(), nb::arg("final_state").none(),
-      nb::arg("state_indices").none(), nb::arg("has_initial_state").none());
+      nb::arg("state_indices").none(), nb::arg("has_initial_state").none(), nb::arg("pad_slot_id") = -1);
 
   nb::class_<ForwardParams>(m, "ForwardParams")
       .def(nb::init<>())

@@ -23,6 +23,28 @@ def assert_close(name, ref, got, tol):
     assert err <= tol, f"{name}: relative RMS error {err:.3e} > {tol:.1e}"
 
 
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    """The device a test runs on: every such test checks the CPU path and, on a GPU machine, the CUDA kernels."""
+    if request.param == "cuda":
+        import kdakit
+
+        if not kdakit.cuda_available():
+            pytest.skip("no CUDA device, or kdakit was built without CUDA kernels")
+    return request.param
+
+
+def same_bits(a, b) -> bool:
+    """Bit-for-bit equality (NaN poison included), for tensors of one dtype and shape."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+    import torch
+
+    as_int = getattr(torch, ints[a.element_size()])
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
 @pytest.fixture
 def seed():
     """A fresh seed per test, printed on failure so the case can be replayed."""

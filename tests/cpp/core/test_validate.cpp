@@ -130,9 +130,14 @@ TEST(Validate, DtypeDeviceShapeStride) {
 
 TEST(Validate, SequenceBoundaries) {
   expect_forward_invalid([](ForwardFixture& f) { f.c.cu_seqlens.set(2, 3); }, "cu_seqlens", "non-decreasing");
-  expect_forward_invalid([](ForwardFixture& f) { f.c.cu_seqlens.set(3, 74); }, "cu_seqlens", "T = 75");
+  expect_forward_invalid([](ForwardFixture& f) { f.c.cu_seqlens.set(3, 76); }, "cu_seqlens",
+                         "not exceed the number of tokens T = 75");
   expect_forward_invalid([](ForwardFixture& f) { f.c.cu_seqlens.set(0, 1); }, "cu_seqlens", "start at 0");
   expect_forward_invalid([](ForwardFixture& f) { f.p.in.cu_seqlens.dtype = DType::kFloat32; }, "cu_seqlens", "int32 or int64");
+  // A padded token tail: the last boundary may end before T (the tokens past it are padding).
+  ForwardFixture tail;
+  tail.c.cu_seqlens.set(3, 60);
+  EXPECT_NO_THROW(forward(tail.p));
 }
 
 TEST(Validate, StatePoolAndIndices) {
@@ -143,9 +148,30 @@ TEST(Validate, StatePoolAndIndices) {
     f.p.state.state_indices = f.idx.view();
   };
   expect_forward_invalid([&](ForwardFixture& f) { with_pool(f, {0, 1, 3}, {3}); }, "ssm_state_indices", "out of range");
-  expect_forward_invalid([&](ForwardFixture& f) { with_pool(f, {0, -2, 1}, {3}); }, "ssm_state_indices", "-1 for padding");
+  expect_forward_invalid([&](ForwardFixture& f) { with_pool(f, {0, -2, 1}, {3}); }, "ssm_state_indices",
+                         "padding is -1 or pad_slot_id");
   expect_forward_invalid([&](ForwardFixture& f) { with_pool(f, {0, 1, 2, 0, 1, 2}, {3, 2}); }, "ssm_state_indices", "1-D");
   expect_forward_invalid([&](ForwardFixture& f) { with_pool(f, {0, 1}, {2}); }, "ssm_state_indices", "one row per sequence");
+  // pad_slot_id: -1 or a slot id, and only with indices.
+  expect_forward_invalid([&](ForwardFixture& f) { with_pool(f, {0, 1, 2}, {3}); f.p.state.pad_slot_id = -2; },
+                         "pad_slot_id", "got -2");
+  expect_forward_invalid([](ForwardFixture& f) { f.p.state.pad_slot_id = 0; }, "pad_slot_id", "no ssm_state_indices");
+  {
+    // Rows past N are ignored (whatever they hold); a slot equal to pad_slot_id is padding even past the pool.
+    ForwardFixture f;
+    with_pool(f, {2, 9, 0, -5, 100}, {5});
+    f.p.state.pad_slot_id = 9;
+    EXPECT_NO_THROW(forward(f.p));
+    f.mask = HostTensor(DType::kBool, {4});
+    f.p.state.has_initial_state = f.mask.view();
+    EXPECT_NO_THROW(forward(f.p));
+    f.mask = HostTensor(DType::kBool, {2});
+    f.p.state.has_initial_state = f.mask.view();
+    expect_invalid([&] { forward(f.p); }, "has_initial_state", "expected 3 entries");
+    f.p.state.has_initial_state = TensorView();
+    f.p.state.pad_slot_id = 0;
+    expect_invalid([&] { forward(f.p); }, "ssm_state_indices", "slot 9 of sequence 1 is out of range");
+  }
   expect_forward_invalid([](ForwardFixture& f) { f.p.state.final_state.shape[3] = 4; }, "final_state", "[N,HV,K,V]");
   expect_forward_invalid(
       [](ForwardFixture& f) {
@@ -214,6 +240,20 @@ TEST(Validate, DecodeSpecific) {
         decode(p);
       },
       "ssm_state_indices", "no state pool");
+  {
+    // 2-D indices and num_accepted_tokens with rows past N (ignored: their values are not checked).
+    HostTensor idx_wide(DType::kInt64, {5, 2}), acc_wide(DType::kInt32, {5});
+    for (int i = 0; i < 10; ++i) idx_wide.set(i, i < 6 ? i : -9);
+    for (int i = 0; i < 5; ++i) acc_wide.set(i, i < 3 ? 1 + i % 2 : 0);
+    DecodeParams p = base();
+    p.state.state_indices = idx_wide.view();
+    p.num_accepted_tokens = acc_wide.view();
+    EXPECT_NO_THROW(decode(p));
+    HostTensor acc_short(DType::kInt32, {2});
+    acc_short.set(0, 1); acc_short.set(1, 1);
+    p.num_accepted_tokens = acc_short.view();
+    expect_invalid([&] { decode(p); }, "num_accepted_tokens", "expected 3 entries");
+  }
   HostTensor bad_beta(DType::kFloat32, {3, 2, 2, 7});
   expect_invalid([&] { DecodeParams p = base(); p.in.beta = bad_beta.view(); decode(p); }, "beta", "[B,T,HV,V]");
 }

@@ -156,6 +156,16 @@ TEST(Backward, GvaVarlenAndVFirstLayout) {
   check_backward(cfg, true);
 }
 
+// A padded token tail past cu_seqlens[N] (spec §1.8): its gradients are zeros (the finite differences are zero too).
+TEST(Backward, PaddedTokenTail) {
+  CaseConfig cfg;
+  cfg.seqlens = {4, 3};
+  cfg.tail = 3;
+  cfg.H = 1; cfg.HV = 2; cfg.K = 3; cfg.V = 2;
+  cfg.gate = GateMode::kLowerBound;
+  check_backward(cfg, true);
+}
+
 // A sequence longer than the backward's checkpoint segment (64 tokens).
 TEST(Backward, AcrossCheckpointSegments) {
   CaseConfig cfg;

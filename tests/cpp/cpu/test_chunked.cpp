@@ -180,6 +180,108 @@ TEST(ChunkedForward, DiagonalBlockAlgorithms) {
   cpu::set_diagonal_blocks(cpu::DiagonalBlocks::kAuto);
 }
 
+// CUDA-graph batches (spec §1.7): a state pool read and written through slot ids with padded sequences (-1, or
+// vLLM's pad slot 0), index rows past N, and a token tail past cu_seqlens[N]. Padding gives exact zeros in the output
+// and the chunk states and leaves the pool alone; the real sequences match the reference.
+TEST(ChunkedForward, PaddedSequencesAndTokenTail) {
+  for (int64_t pad : {-1, 0}) {
+    CaseConfig cfg;
+    cfg.seqlens = {40, 70, 0, 33, 5};
+    cfg.tail = 9;
+    cfg.H = 2; cfg.HV = 4; cfg.K = 32; cfg.V = 16;
+    cfg.gate = GateMode::kLowerBound;
+    cfg.initial_state = false;
+    cfg.chunk = 32;
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(describe(cfg) + " pad_slot_id=" + std::to_string(pad) + " seed=" + std::to_string(seed));
+    KdaCase c = make_case(cfg, seed);
+    const CaseConfig& cc = c.cfg;
+    const int64_t HV = cc.HV, K = cc.K, V = cc.V, P = 8, block = HV * K * V;
+    std::mt19937_64 rng(seed + 3);
+    std::normal_distribution<double> normal;
+    HostTensor pool(DType::kFloat32, {P, HV, K, V}), ref_pool(DType::kFloat64, {P, HV, K, V});
+    for (int64_t i = 0; i < pool.numel(); ++i) {
+      pool.set(i, normal(rng));
+      ref_pool.set(i, pool.get(i));
+    }
+    const HostTensor before = pool.clone();
+    const std::vector<int64_t> slots = {5, pad, 3, pad, 7, -9, 100};  // the last two rows are past N = 5: ignored
+    const std::vector<bool> padded = {false, true, false, true, false};
+    HostTensor idx(DType::kInt64, {7});
+    for (int64_t i = 0; i < 7; ++i) idx.set(i, static_cast<double>(slots[i]));
+    const int64_t nt = count_chunks(c.cu, cc.chunk);
+
+    auto run = [&](HostTensor& state, DType dt, Impl impl, HostTensor& out, HostTensor& inter) {
+      ForwardParams p;
+      p.in = c.inputs();
+      p.state.initial_state = state.view();
+      p.state.final_state = state.view();
+      p.state.state_indices = idx.view();
+      p.state.pad_slot_id = pad;
+      p.chunk_size = cc.chunk;
+      out = HostTensor(dt, {1, cc.T, HV, V});
+      out.fill(std::nan(""));
+      p.out = out.view();
+      inter = HostTensor(dt, {1, nt, HV, K, V});
+      inter.fill(std::nan(""));
+      p.intermediate_states = inter.view();
+      if (impl == Impl::kReference) {
+        reference_forward(p);
+      } else {
+        std::vector<unsigned char> ws(forward_workspace_size(p));
+        p.workspace = ws.data();
+        p.workspace_bytes = ws.size();
+        forward(p);
+      }
+    };
+    HostTensor out, inter, ref_out, ref_inter;
+    run(pool, DType::kFloat32, Impl::kChunked, out, inter);
+    run(ref_pool, DType::kFloat64, Impl::kReference, ref_out, ref_inter);
+
+    std::vector<double> got_o, ref_o, got_h, ref_h, got_s, ref_s;
+    for (int64_t n = 0; n < 5; ++n) {
+      for (int64_t t = c.cu[n]; t < c.cu[n + 1]; ++t) {
+        for (int64_t i = t * HV * V; i < (t + 1) * HV * V; ++i) {
+          if (padded[n]) {
+            ASSERT_EQ(out.get(i), 0.0) << "output of padded sequence " << n << ", token " << t;
+          } else {
+            got_o.push_back(out.get(i));
+            ref_o.push_back(ref_out.get(i));
+          }
+        }
+      }
+      // Chunks of the sequences before n, and up to n.
+      const int64_t c0 = count_chunks(std::vector<int64_t>(c.cu.begin(), c.cu.begin() + n + 1), cc.chunk);
+      const int64_t c1 = count_chunks(std::vector<int64_t>(c.cu.begin(), c.cu.begin() + n + 2), cc.chunk);
+      for (int64_t ch = c0; ch < c1; ++ch) {
+        for (int64_t i = ch * block; i < (ch + 1) * block; ++i) {
+          if (padded[n]) {
+            ASSERT_EQ(inter.get(i), 0.0) << "chunk state of padded sequence " << n;
+          } else {
+            got_h.push_back(inter.get(i));
+            ref_h.push_back(ref_inter.get(i));
+          }
+        }
+      }
+    }
+    for (int64_t i = c.cu[5] * HV * V; i < cc.T * HV * V; ++i) ASSERT_EQ(out.get(i), 0.0) << "output of the token tail";
+    for (int64_t slot = 0; slot < P; ++slot) {
+      const bool named = slot == 5 || slot == 3 || slot == 7;
+      for (int64_t i = slot * block; i < (slot + 1) * block; ++i) {
+        if (named) {
+          got_s.push_back(pool.get(i));
+          ref_s.push_back(ref_pool.get(i));
+        } else {
+          ASSERT_EQ(pool.get(i), before.get(i)) << "slot " << slot << " was touched";
+        }
+      }
+    }
+    EXPECT_LE(rel_rms(got_o, ref_o), kTol) << "output";
+    EXPECT_LE(rel_rms(got_h, ref_h), kTol) << "chunk states";
+    EXPECT_LE(rel_rms(got_s, ref_s), kTol) << "pool";
+  }
+}
+
 TEST(ChunkedForward, DeterministicAndBatchInvariant) {
   CaseConfig cfg;
   cfg.seqlens = {70, 5, 129};

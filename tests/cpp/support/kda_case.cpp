@@ -58,6 +58,7 @@ std::string describe(const CaseConfig& c) {
     os << " seqlens[";
     for (std::size_t i = 0; i < c.seqlens.size(); ++i) os << (i ? "," : "") << c.seqlens[i];
     os << "]";
+    if (c.tail) os << " tail" << c.tail;
   }
   os << " dtype=" << dtype_name(c.dtype) << " gate=" << static_cast<int>(c.gate) << " A_log=" << c.has_A_log
      << " dt_bias=" << c.has_dt_bias << " l2=" << c.l2norm << " beta_sigmoid=" << c.beta_sigmoid
@@ -77,7 +78,7 @@ KdaCase make_case(const CaseConfig& cfg, uint64_t seed) {
   if (varlen) {
     c.cu.push_back(0);
     for (int64_t len : cfg.seqlens) c.cu.push_back(c.cu.back() + len);
-    T = c.cu.back();
+    T = c.cu.back() + cfg.tail;
     c.N = static_cast<int64_t>(cfg.seqlens.size());
     c.cu_seqlens = HostTensor(DType::kInt64, {c.N + 1});
     for (int64_t i = 0; i <= c.N; ++i) c.cu_seqlens.set(i, static_cast<double>(c.cu[i]));

@@ -40,6 +40,7 @@ class HostTensor {
 struct CaseConfig {
   int64_t B = 1, T = 64, H = 2, HV = 2, K = 16, V = 16;
   std::vector<int64_t> seqlens;  // non-empty: varlen (B must be 1)
+  int64_t tail = 0;              // varlen: padded tokens past the last sequence (cu_seqlens[N] < T)
   DType dtype = DType::kFloat32;  // q, k, v, g, beta
   GateMode gate = GateMode::kPreGated;
   bool has_A_log = true, has_dt_bias = true;
