@@ -68,3 +68,14 @@ def num_chunks(T: int, B: int, cu: Optional[list], chunk_size: int) -> int:
     if cu is None:
         return (T + chunk_size - 1) // chunk_size
     return _C.count_chunks(cu, chunk_size)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Calls that autograd would record.
+
+
+def tracked(*tensors) -> tuple:
+    """The tensors through which autograd would record this call: those that require grad, in grad mode."""
+    if not torch.is_grad_enabled():
+        return ()
+    return tuple(t for t in tensors if t is not None and t.requires_grad)

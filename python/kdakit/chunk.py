@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 from . import _C
-from ._torch import gate_mode, host_cu_seqlens, num_chunks, num_sequences, state_shape
-from .ops import chunk_fwd_into
+from ._torch import gate_mode, host_cu_seqlens, num_chunks, num_sequences, state_shape, tracked
+from .ops import chunk_fwd_into, forward_only
 
 InvalidArgumentError = _C.InvalidArgumentError
 
@@ -20,10 +20,6 @@ def pad_slot_id_of(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgumentError(f"pad_slot_id: expected an int (-1 or a slot id >= 0), got {value!r}")
     return value
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def resolve_state_layout(state_v_first: bool, kwargs: dict) -> bool:
@@ -75,7 +71,8 @@ def chunk_kda(
 
     With ``cu_seqlens`` the tokens past ``cu_seqlens[-1]`` are padding: their output rows are zeros.
 
-    The serving arguments, like ``return_intermediate_states``, are inference-only.
+    The serving arguments and ``return_intermediate_states`` make the call forward-only: it runs when inputs require
+    grad, and a gradient requested through its outputs raises.
 
     Returns ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``; ``h`` holds the
     state at the start of every chunk, ``[B,NT,HV,K,V]`` (varlen ``[1,NT_total,...]``) in k's dtype.
@@ -107,13 +104,8 @@ def chunk_kda(
             "use_gate_in_kernel=True, or with safe_gate=True to state the bound of g")
     if lower_bound is not None and not use_gate_in_kernel and not (-5.0 <= lower_bound < 0.0):
         raise InvalidArgumentError(f"lower_bound: safe_gate=True needs lower_bound in [-5, 0), got {lower_bound}")
-    if return_intermediate_states:
-        if disable_recompute:
-            raise InvalidArgumentError(
-                "return_intermediate_states: cannot be combined with disable_recompute=True")
-        if not torch.is_inference_mode_enabled():
-            raise InvalidArgumentError(
-                "return_intermediate_states: is inference-only; call chunk_kda under torch.inference_mode()")
+    if return_intermediate_states and disable_recompute:
+        raise InvalidArgumentError("return_intermediate_states: cannot be combined with disable_recompute=True")
     if not isinstance(chunk_size, int):
         raise InvalidArgumentError(f"chunk_size: `chunk_size` must be either 32 or 64, got {chunk_size!r}")
 
@@ -129,30 +121,49 @@ def chunk_kda(
 
     serving = (ssm_state_indices is not None or has_initial_state is not None or out is not None
                or pad_slot_id != -1)
-    if q.device.type == "cuda" and _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+    grad_inputs = tracked(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if serving or return_intermediate_states:
+        return _forward_only(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state, cu_seqlens,
+                             cu_seqlens_cpu, ssm_state_indices, has_initial_state, pad_slot_id, inplace_final_state,
+                             out, return_intermediate_states, chunks, grad_inputs, serving, scale, gate, lb,
+                             use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
+                             chunk_size, state_v_first)
+    if q.device.type == "cuda" and grad_inputs:
         raise NotImplementedError(
             "chunk_kda: the CUDA backward is not implemented yet; run the forward under torch.no_grad() or "
             "torch.inference_mode(), or train on CPU tensors")
-    if not serving:
-        o, ht, h = torch.ops.kdakit.chunk_fwd(
-            q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, gate, lb,
-            use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, chunk_size,
-            state_v_first, output_final_state, chunks)
-        ht = ht if output_final_state else None
-        return (o, ht, h) if return_intermediate_states else (o, ht)
+    o, ht, _ = torch.ops.kdakit.chunk_fwd(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, gate, lb,
+        use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, chunk_size,
+        state_v_first, output_final_state, -1)
+    return o, (ht if output_final_state else None)
 
-    # Serving prefill: caller buffers and/or a state pool, in place. Inference only.
-    if _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
-        raise InvalidArgumentError(
-            "ssm_state_indices/has_initial_state/out/pad_slot_id: the serving forward has no autograd; call it under "
-            "torch.no_grad() or torch.inference_mode()")
+
+def _forward_only(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                  ssm_state_indices, has_initial_state, pad_slot_id, inplace_final_state, out,
+                  return_intermediate_states, chunks, grad_inputs, serving, scale, gate, lb, qk_l2norm, beta_sigmoid,
+                  allow_neg_eigval, safe_gate, chunk_size, state_v_first):
+    """chunk_kda's forward-only forms: serving (caller buffers, a state pool in place) and intermediate states."""
+    what = ("the serving form (ssm_state_indices / has_initial_state / out / pad_slot_id)" if serving
+            else "return_intermediate_states=True")
+    message = (f"chunk_kda: {what} is forward-only and has no backward; call chunk_kda without it to train "
+               "(the intermediate states and state pools carry no gradient)")
+    if not serving:
+        with torch.no_grad():
+            o, ht, h = torch.ops.kdakit.chunk_fwd(
+                q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, gate, lb,
+                qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size, state_v_first, output_final_state,
+                chunks)
+        return forward_only(message, grad_inputs, o, ht if output_final_state else None, h)
+
+    # Serving prefill: caller buffers and/or a state pool, in place.
     if inplace_final_state is False and ssm_state_indices is not None:
         raise InvalidArgumentError(
             "inplace_final_state: with ssm_state_indices the final states are written back into the pool "
             "(initial_state); inplace_final_state=False is not supported here")
     if ssm_state_indices is not None and initial_state is None:
         raise InvalidArgumentError("ssm_state_indices: needs the state pool as initial_state")
-    B, T, _, _ = q.shape
+    B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if out is None:
         out = q.new_empty((B, T, HV, V))
@@ -165,10 +176,16 @@ def chunk_kda(
                                   dtype=torch.float32)
     h = None
     if return_intermediate_states:
-        h = q.new_empty((1 if varlen else B, chunks) + state_shape(1, HV, K, V, state_v_first)[1:], dtype=k.dtype)
-    chunk_fwd_into(q, k, v, g, beta, A_log, dt_bias, None if final_is_initial else initial_state, out, final_state, h,
-                   cu_seqlens, cu_seqlens_cpu, ssm_state_indices, has_initial_state, pad_slot_id, final_is_initial,
-                   scale, gate, lb, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
-                   chunk_size, state_v_first)
+        h = q.new_empty((1 if cu_seqlens is not None else B, chunks) + state_shape(1, HV, K, V, state_v_first)[1:],
+                        dtype=k.dtype)
+    args = (q, k, v, g, beta, A_log, dt_bias, None if final_is_initial else initial_state, out, final_state, h,
+            cu_seqlens, cu_seqlens_cpu, ssm_state_indices, has_initial_state, pad_slot_id, final_is_initial, scale,
+            gate, lb, qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size, state_v_first)
+    if grad_inputs:
+        with torch.no_grad():
+            chunk_fwd_into(*args)
+    else:
+        chunk_fwd_into(*args)
     ret_final = final_state if (output_final_state or final_is_initial) else None
-    return (out, ret_final, h) if return_intermediate_states else (out, ret_final)
+    outs = forward_only(message, grad_inputs, out, ret_final, h)
+    return outs if return_intermediate_states else outs[:2]

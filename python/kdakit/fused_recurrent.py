@@ -7,9 +7,9 @@ from typing import Optional
 import torch
 
 from . import _C
-from ._torch import gate_mode, num_sequences, state_shape
+from ._torch import gate_mode, num_sequences, state_shape, tracked
 from .chunk import pad_slot_id_of, resolve_state_layout
-from .ops import recurrent_into
+from .ops import forward_only, recurrent_into
 
 InvalidArgumentError = _C.InvalidArgumentError
 
@@ -21,12 +21,9 @@ def _recurrent(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_fi
                state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, has_initial_state, pad_slot_id,
                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
                out, caller):
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias,
-                                                                                    initial_state)):
-        raise InvalidArgumentError(
-            f"{caller}: has no backward; call it under torch.no_grad() or torch.inference_mode(), or use chunk_kda "
-            "for training")
     pad_slot_id = pad_slot_id_of(pad_slot_id)
+    # Forward only: inputs may require grad (a model in eval mode), a gradient through the outputs raises.
+    grad_inputs = tracked(q, k, v, g, beta, A_log, dt_bias, initial_state)
     if inplace_final_state and initial_state is None:
         raise InvalidArgumentError("initial_state: inplace_final_state=True needs the state (pool) to update")
     B, T, _, K = q.shape
@@ -51,13 +48,21 @@ def _recurrent(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_fi
     elif output_final_state:
         final_state = q.new_empty(state_shape(num_sequences(q, cu_seqlens), HV, K, V, state_v_first),
                                   dtype=torch.float32)
-    recurrent_into(q, k, v, g, beta, A_log, dt_bias, None if inplace_final_state else initial_state, out, final_state,
-                   token_states, cu_seqlens, ssm_state_indices, num_accepted_tokens, has_initial_state, pad_slot_id,
-                   bool(inplace_final_state), scale, gate, lb, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                   allow_neg_eigval, state_v_first)
-    if token_states is not None:
-        return out, token_states
-    return out, (final_state if (output_final_state or inplace_final_state) else None)
+    args = (q, k, v, g, beta, A_log, dt_bias, None if inplace_final_state else initial_state, out, final_state,
+            token_states, cu_seqlens, ssm_state_indices, num_accepted_tokens, has_initial_state, pad_slot_id,
+            bool(inplace_final_state), scale, gate, lb, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+            allow_neg_eigval, state_v_first)
+    if grad_inputs:
+        with torch.no_grad():
+            recurrent_into(*args)
+    else:
+        recurrent_into(*args)
+    second = token_states if token_states is not None else \
+        (final_state if (output_final_state or inplace_final_state) else None)
+    if not grad_inputs:
+        return out, second
+    return forward_only(f"{caller}: has no backward (it is forward-only, for inference); use chunk_kda to train",
+                        grad_inputs, out, second)
 
 
 def fused_recurrent_kda(
@@ -85,7 +90,8 @@ def fused_recurrent_kda(
     Unlike FLA, the serving keywords are honoured, not swallowed: ``ssm_state_indices`` ([N] or [N,T_max]),
     ``num_accepted_tokens`` ([N]), ``inplace_final_state`` (default False here), ``has_initial_state`` ([N]),
     ``pad_slot_id`` and ``out``; see `fused_recurrent_kda_fwd`. ``beta`` may be per value column, [B,T,HV,V].
-    Returns ``(o, final_state)``.
+    Returns ``(o, final_state)``. Inputs may require grad (a model in eval mode); a gradient requested through the
+    outputs raises.
     """
     state_v_first = resolve_state_layout(state_v_first, kwargs)
     unknown = set(kwargs) - _SERVING_KWARGS
@@ -140,6 +146,8 @@ def fused_recurrent_kda_fwd(
       the tokens of padding).
     - ``has_initial_state`` [N] bool: False starts that sequence from the zero state.
     - ``out``: caller-provided output ``[B,T,HV,V]``.
+
+    Forward only: inputs may require grad, and a gradient requested through the outputs raises.
     """
     return _recurrent(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, inplace_final_state,
                       state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, has_initial_state, pad_slot_id,

@@ -5,6 +5,7 @@ formula of the chunked forward.
 - ``kdakit::chunk_fwd_into``: chunked forward into caller buffers: ``out=``, a state pool read and written in
   place through slot indices, intermediate states. No autograd.
 - ``kdakit::recurrent_fwd_into``: decode / speculative verify into caller buffers. No autograd.
+- ``kdakit::no_backward``: the gradient function of forward-only outputs (`forward_only`): raises when run.
 """
 from __future__ import annotations
 
@@ -214,3 +215,44 @@ def recurrent_into(*args) -> None:
         torch.ops.kdakit.recurrent_fwd_into(*args)
     else:
         _recurrent_impl(*args)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Outputs of forward-only calls made with inputs that require grad.
+
+
+@torch.library.custom_op("kdakit::no_backward", mutates_args=())
+def no_backward(like: Tensor, message: str) -> Tensor:
+    """Would be the gradient of `like`; raises `message` instead. An op (not a Python raise in the backward) so that
+    torch.compile traces the backward graph by its fake and the error comes when a gradient is actually requested."""
+    raise RuntimeError(message)
+
+
+@no_backward.register_fake
+def _(like, message):
+    return torch.empty_like(like)
+
+
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, message: str, n_outputs: int, *tensors):
+        ctx.message = message
+        ctx.n_outputs = n_outputs
+        ctx.save_for_backward(*tensors[n_outputs:])
+        return tuple(t.view_as(t) for t in tensors[:n_outputs])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = ctx.saved_tensors
+        return (None, None) + (None,) * ctx.n_outputs + tuple(no_backward(x, ctx.message) for x in inputs)
+
+
+def forward_only(message: str, inputs: tuple, *outputs):
+    """The outputs as they are when no input is tracked by autograd; otherwise views of them attached to the tracked
+    inputs by a gradient function that raises `message`, so that a gradient requested through them is an error naming
+    the call, never a silent zero. None outputs stay None."""
+    if not inputs:
+        return outputs
+    present = [o for o in outputs if o is not None]
+    views = iter(_NoBackward.apply(message, len(present), *present, *inputs))
+    return tuple(None if o is None else next(views) for o in outputs)

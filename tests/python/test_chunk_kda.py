@@ -194,8 +194,11 @@ def test_chunk_return_intermediate_states(seed):
                                     output_final_state=True, return_intermediate_states=True, cu_seqlens=cu,
                                     state_v_first=True)
         assert h.shape == (1, 2 + 3, H, D, D) and ht.shape == (2, H, D, D)
-    with pytest.raises(AssertionError, match="inference"):
-        kdakit.chunk_kda(*args, return_intermediate_states=True)
+    # Unlike FLA, outside inference mode too (forward-only: tests/python/test_forward_only.py).
+    _, _, h_grad_mode = kdakit.chunk_kda(*args, initial_state=x["h0"], return_intermediate_states=True)
+    assert_close("h outside inference mode", ref_h, h_grad_mode, TOL)
+    with pytest.raises(AssertionError, match="^return_intermediate_states: .*disable_recompute"):
+        kdakit.chunk_kda(*args, return_intermediate_states=True, disable_recompute=True)
 
 
 def test_chunk_serving_pool_in_place(seed):
