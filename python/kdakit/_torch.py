@@ -71,7 +71,19 @@ def num_chunks(T: int, B: int, cu: Optional[list], chunk_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Calls that autograd would record.
+# Inputs read in place, and calls that autograd would record.
+
+
+def unit_last_stride(*tensors):
+    """Token tensors (q, k, v, g, a per-column beta) are read in place when their last dimension is contiguous,
+    whatever their other strides (split views of one projection); any other layout gets one copy."""
+    return tuple(t if t is None or t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+                 for t in tensors)
+
+
+def dense(*tensors):
+    """A_log and dt_bias are read as flat vectors: a non-contiguous one gets one copy."""
+    return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in tensors)
 
 
 def tracked(*tensors) -> tuple:

@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 
 from . import _C
-from ._torch import gate_mode, host_cu_seqlens, num_chunks, num_sequences, state_shape, tracked
+from ._torch import (dense, gate_mode, host_cu_seqlens, num_chunks, num_sequences, state_shape, tracked,
+                     unit_last_stride)
 from .ops import chunk_fwd_into, forward_only
 
 InvalidArgumentError = _C.InvalidArgumentError
@@ -119,6 +120,8 @@ def chunk_kda(
         cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu) if varlen else None
         chunks = num_chunks(q.shape[1], q.shape[0], cu, chunk_size)
 
+    q, k, v, g = unit_last_stride(q, k, v, g)
+    A_log, dt_bias = dense(A_log, dt_bias)
     serving = (ssm_state_indices is not None or has_initial_state is not None or out is not None
                or pad_slot_id != -1)
     grad_inputs = tracked(q, k, v, g, beta, A_log, dt_bias, initial_state)

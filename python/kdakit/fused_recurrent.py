@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import _C
-from ._torch import gate_mode, num_sequences, state_shape, tracked
+from ._torch import dense, gate_mode, num_sequences, state_shape, tracked, unit_last_stride
 from .chunk import pad_slot_id_of, resolve_state_layout
 from .ops import forward_only, recurrent_into
 
@@ -22,6 +22,10 @@ def _recurrent(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_fi
                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
                out, caller):
     pad_slot_id = pad_slot_id_of(pad_slot_id)
+    q, k, v, g = unit_last_stride(q, k, v, g)
+    if beta.dim() == 4:
+        beta, = unit_last_stride(beta)
+    A_log, dt_bias = dense(A_log, dt_bias)
     # Forward only: inputs may require grad (a model in eval mode), a gradient through the outputs raises.
     grad_inputs = tracked(q, k, v, g, beta, A_log, dt_bias, initial_state)
     if inplace_final_state and initial_state is None:
