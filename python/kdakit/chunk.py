@@ -122,8 +122,7 @@ def chunk_kda(
 
     q, k, v, g = unit_last_stride(q, k, v, g)
     A_log, dt_bias = dense(A_log, dt_bias)
-    serving = (ssm_state_indices is not None or has_initial_state is not None or out is not None
-               or pad_slot_id != -1)
+    serving = ssm_state_indices is not None or has_initial_state is not None or out is not None
     grad_inputs = tracked(q, k, v, g, beta, A_log, dt_bias, initial_state)
     if serving or return_intermediate_states:
         return _forward_only(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state, cu_seqlens,
@@ -147,7 +146,7 @@ def _forward_only(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_
                   return_intermediate_states, chunks, grad_inputs, serving, scale, gate, lb, qk_l2norm, beta_sigmoid,
                   allow_neg_eigval, safe_gate, chunk_size, state_v_first):
     """chunk_kda's forward-only forms: serving (caller buffers, a state pool in place) and intermediate states."""
-    what = ("the serving form (ssm_state_indices / has_initial_state / out / pad_slot_id)" if serving
+    what = ("the serving form (ssm_state_indices / has_initial_state / out)" if serving
             else "return_intermediate_states=True")
     message = (f"chunk_kda: {what} is forward-only and has no backward; call chunk_kda without it to train "
                "(the intermediate states and state pools carry no gradient)")

@@ -307,10 +307,6 @@ void check_state_io(const StateIO& st, const Plan& plan, bool allow_2d_indices) 
   if (st.pad_slot_id < -1) {
     fail("pad_slot_id", "must be -1 (the default) or a slot id >= 0, got " + std::to_string(st.pad_slot_id));
   }
-  if (!indexed && st.pad_slot_id != -1) {
-    fail("pad_slot_id", "is " + std::to_string(st.pad_slot_id) +
-                            " but no ssm_state_indices were given (without indices no sequence is padding)");
-  }
   if (indexed) {
     const TensorView& idx = st.state_indices;
     if (!st.initial_state.present() && !st.final_state.present()) {

@@ -255,10 +255,11 @@ def test_padding_arguments_are_checked():
         with pytest.raises(ValueError, match="^pad_slot_id: .*got -2"):
             kdakit.fused_recurrent_kda_fwd(*a, ssm_state_indices=torch.tensor([0, 1, 2, 3]), pad_slot_id=-2,
                                            **one_token)
-        with pytest.raises(ValueError, match="^pad_slot_id: .*no ssm_state_indices"):
-            kdakit.fused_recurrent_kda_fwd(*a, pad_slot_id=0, **one_token)
-        with pytest.raises(ValueError, match="^pad_slot_id: .*no ssm_state_indices"):
-            kdakit.chunk_kda(*a[:5], pad_slot_id=0)
+        # Without indices nothing is padding: the pad id changes nothing (engines pass their constant always).
+        for call, kw in ((kdakit.fused_recurrent_kda_fwd, dict(inplace_final_state=False)), (kdakit.chunk_kda, {})):
+            o0, s0 = call(*a[:5], output_final_state=True, **kw, **one_token)
+            o1, s1 = call(*a[:5], output_final_state=True, pad_slot_id=0, **kw, **one_token)
+            assert torch.equal(o0, o1) and torch.equal(s0, s1) and torch.count_nonzero(o1) > 0
         with pytest.raises(ValueError, match="^pad_slot_id: expected an int"):
             kdakit.fused_recurrent_kda(*a[:5], pad_slot_id=torch.tensor(0))
         with pytest.raises(ValueError, match="^ssm_state_indices: .*one row per sequence"):

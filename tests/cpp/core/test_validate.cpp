@@ -155,7 +155,15 @@ TEST(Validate, StatePoolAndIndices) {
   // pad_slot_id: -1 or a slot id, and only with indices.
   expect_forward_invalid([&](ForwardFixture& f) { with_pool(f, {0, 1, 2}, {3}); f.p.state.pad_slot_id = -2; },
                          "pad_slot_id", "got -2");
-  expect_forward_invalid([](ForwardFixture& f) { f.p.state.pad_slot_id = 0; }, "pad_slot_id", "no ssm_state_indices");
+  {
+    // Without indices nothing is padding: a pad id changes nothing (engines pass their constant in every call).
+    ForwardFixture with_pad, without;
+    with_pad.p.state.pad_slot_id = 0;
+    forward(with_pad.p);
+    forward(without.p);
+    EXPECT_EQ(with_pad.out.values(), without.out.values());
+    EXPECT_EQ(with_pad.final_state.values(), without.final_state.values());
+  }
   {
     // Rows past N are ignored (whatever they hold); a slot equal to pad_slot_id is padding even past the pool.
     ForwardFixture f;
