@@ -59,7 +59,7 @@ TEST(DecodePlan, LargeBatchesStageTheStateAndPrefetchOnHopper) {
   EXPECT_TRUE(bf.stage_state);
   EXPECT_EQ(bf.cfg.passes, 4);  // 4 x 32 bf16 columns of K = 128: a 32 KB tile
   EXPECT_EQ(bf.cfg.smem, cuda::decode_staged_bytes(128, 2, 128, 4));
-  EXPECT_EQ(bf.cfg.smem, 32768u);
+  EXPECT_EQ(bf.cfg.smem, 32768u + 4 * cuda::kDecodeKvRowPad);  // the state, plus the [K,V] row layout's padding
   EXPECT_EQ(bf.prefetch_ahead, 132);  // one CTA per SM ahead
   const DecodeLaunch fp = DecodeCase(256, 1, 16, 16, DType::kFloat32).plan();
   EXPECT_EQ(fp.cfg.passes, 2);  // 2 x 32 fp32 columns: 32 KB
@@ -76,7 +76,9 @@ TEST(DecodePlan, VarlenWithDeviceLengthsTakesTheOneTokenInstance) {
   const DecodeLaunch d = c.plan();
   EXPECT_TRUE(d.cfg.one);         // at most N tokens: every sequence may have one
   EXPECT_FALSE(d.cfg.one_entry);  // but a longer one must find the general path in the same kernel
-  EXPECT_GE(d.cfg.smem, cuda::DecodeSmem(128, 8, 32, 0).total);
+  EXPECT_EQ(d.tb, 1);             // staged one token at a time, so the one-token tile still fits
+  EXPECT_GE(d.cfg.smem, cuda::DecodeSmem(128, 1, 32, 0).total);
+  EXPECT_TRUE(d.tail_cta);        // device cu_seqlens: a CTA row zeroes a padded token tail, if any
 }
 
 TEST(DecodePlan, VerifyWithTwoDimensionalIndicesTakesTheWholeTileForm) {
@@ -93,7 +95,14 @@ TEST(DecodePlan, VerifyWithTwoDimensionalIndicesTakesTheWholeTileForm) {
 TEST(DecodePlan, FormsThatLeaveTheOneTokenForm) {
   {
     DecodeCase c(8, 1, 16, 16);
-    c.p.state.state_indices = device_view(DType::kInt64, {8});  // int64 slot ids: read with a dtype switch
+    c.p.state.state_indices = device_view(DType::kInt64, {8});  // int64 slot ids stay in the one-token form
+    EXPECT_TRUE(c.plan().cfg.one);
+  }
+  {
+    DecodeCase c(8, 1, 16, 16);
+    c.p.in.g.dtype = c.p.in.beta.dtype = DType::kFloat32;  // the engines' fp32 gate beside bf16 inputs: stays
+    EXPECT_TRUE(c.plan().cfg.one);
+    c.p.in.beta.dtype = DType::kBFloat16;  // g and beta of different dtypes: the general form
     EXPECT_FALSE(c.plan().cfg.one);
   }
   {
