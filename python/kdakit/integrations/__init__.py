@@ -1,0 +1,13 @@
+"""Adapters that let serving engines and training frameworks call kdakit with the signatures they already use.
+
+Each submodule reproduces one caller's function signatures and defaults exactly and maps the arguments onto
+kdakit's public functions (`kdakit.chunk_kda`, `kdakit.fused_recurrent_kda`, `kdakit.fused_recurrent_kda_fwd`); none
+computes anything itself. Forms kdakit does not serve raise a clear error instead of being ignored.
+
+- `kdakit.integrations.vllm`: `chunk_kda`, `chunk_kda_with_fused_gate`, `fused_recurrent_kda` as vLLM's vendored
+  FLA ops define them (v-first pools, in place by default, slot 0 / negative slots as padding).
+
+The submodules import torch when imported; this package itself imports nothing.
+"""
+
+__all__ = ["vllm"]
