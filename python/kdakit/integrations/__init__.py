@@ -6,8 +6,10 @@ computes anything itself. Forms kdakit does not serve raise a clear error instea
 
 - `kdakit.integrations.vllm`: `chunk_kda`, `chunk_kda_with_fused_gate`, `fused_recurrent_kda` as vLLM's vendored
   FLA ops define them (v-first pools, in place by default, slot 0 / negative slots as padding).
+- `kdakit.integrations.sglang`: `chunk_kda` (pool + `initial_state_indices`, returns `o`) and
+  `fused_sigmoid_gating_delta_rule_update(is_kda=True, ...)`.
 
 The submodules import torch when imported; this package itself imports nothing.
 """
 
-__all__ = ["vllm"]
+__all__ = ["sglang", "vllm"]
