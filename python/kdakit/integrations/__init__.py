@@ -8,8 +8,10 @@ computes anything itself. Forms kdakit does not serve raise a clear error instea
   FLA ops define them (v-first pools, in place by default, slot 0 / negative slots as padding).
 - `kdakit.integrations.sglang`: `chunk_kda` (pool + `initial_state_indices`, returns `o`) and
   `fused_sigmoid_gating_delta_rule_update(is_kda=True, ...)`.
+- `kdakit.integrations.hf`: the `chunk_kda` / recurrent functions HF transformers' Kimi Linear calls, and
+  `enable()` to swap them into `modeling_kimi_linear`.
 
 The submodules import torch when imported; this package itself imports nothing.
 """
 
-__all__ = ["sglang", "vllm"]
+__all__ = ["hf", "sglang", "vllm"]
