@@ -10,8 +10,9 @@ computes anything itself. Forms kdakit does not serve raise a clear error instea
   `fused_sigmoid_gating_delta_rule_update(is_kda=True, ...)`.
 - `kdakit.integrations.hf`: the `chunk_kda` / recurrent functions HF transformers' Kimi Linear calls, and
   `enable()` to swap them into `modeling_kimi_linear`.
+- `kdakit.integrations.fla`: a backend for FLA's backend registry; `enable()` registers it.
 
-The submodules import torch when imported; this package itself imports nothing.
+The submodules import torch when imported (`fla.enable()` imports FLA); this package itself imports nothing.
 """
 
-__all__ = ["hf", "sglang", "vllm"]
+__all__ = ["fla", "hf", "sglang", "vllm"]
