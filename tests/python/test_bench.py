@@ -1,12 +1,17 @@
-"""The benchmark's decode rows (kdakit.bench_decode) on the CPU: the row matrix, every form's inputs, a row run end to
-end through kdakit's CPU path, the goal verdicts, the tables. Timings here are stand-ins; the GPU runs time."""
+"""The benchmark's decode rows (kdakit.bench_decode) and the peer-suite helper (tools/gpu/fla_suite.py) on the CPU:
+the row matrix, every form's inputs, a row run end to end through kdakit's CPU path, the goal verdicts, the tables,
+the rewrite of FLA's test file and the summary of a JUnit file. Timings here are stand-ins; the GPU runs time."""
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from kdakit import bench, bench_decode as bd  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def small_case(form, pool="bf16", T=1, H=2, HV=4, N=3):
@@ -192,3 +197,78 @@ def test_tables_and_cli_listing(capsys):
     assert bench.main(["--list", "--only", "decode T4 N1024", "--forms", "spare-slots"]) == 0
     out = capsys.readouterr().out
     assert "decode T4 N1024 H32 fp32 spare-slots  (pool slots 8192" in out and "0 forward rows, 6 decode rows" in out
+
+
+def load_fla_suite():
+    spec = importlib.util.spec_from_file_location("fla_suite", ROOT / "tools" / "gpu" / "fla_suite.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+HEAD = ("import torch\n\nfrom fla.ops.kda import chunk_kda, fused_recurrent_kda\n"
+        "from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd\n"
+        "from fla.ops.kda.naive import naive_recurrent_kda\n")
+
+
+def test_fla_suite_rewrites_exactly_the_kda_imports(tmp_path):
+    fs = load_fla_suite()
+    new = fs.rewrite(HEAD)
+    assert new == ("import torch\n\nfrom kdakit import chunk_kda, fused_recurrent_kda\n"
+                   "from kdakit import fused_recurrent_kda_fwd\nfrom fla.ops.kda.naive import naive_recurrent_kda\n")
+    with pytest.raises(SystemExit, match="found it 0 times"):
+        fs.rewrite(HEAD.replace("from fla.ops.kda import", "from fla.ops.kda.chunk import"))
+    with pytest.raises(SystemExit, match="still imported"):
+        fs.rewrite(HEAD + "from fla.ops.kda.chunk import chunk_kda\n")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "test_kda.py").write_text(HEAD)
+    (src / "conftest.py").write_text("# FLA's\n")
+    fs.prepare(src, tmp_path / "work", tmp_path / "out")
+    assert (tmp_path / "work" / "tests" / "ops" / "test_kda.py").read_text() == new
+    assert (tmp_path / "work" / "tests" / "conftest.py").is_file()
+    diff = (tmp_path / "out" / "fla_suite.diff").read_text()
+    assert diff.count("\n-from fla") == 2 and diff.count("\n+from kdakit") == 2
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.ops.test_kda" name="test_fused_recurrent_state_v_first[B1]"/>
+<testcase classname="tests.ops.test_kda" name="test_chunk[B2-fp16]"><failure message="NotImplementedError: chunk_kda:
+ the CUDA backward is not implemented yet; run the forward under torch.no_grad()">tb</failure></testcase>
+<testcase classname="tests.ops.test_kda" name="test_fused_recurrent[B1]"><failure message="kdakit.InvalidArgumentError:
+ fused_recurrent_kda: has no backward">tb</failure></testcase>
+<testcase classname="tests.ops.test_kda" name="test_fused_recurrent[B1]"><error message="failed on teardown">t</error>
+</testcase>
+<testcase classname="tests.ops.test_kda" name="test_gate[B1]"><failure message="AssertionError: dg">tb</failure>
+</testcase>
+<testcase classname="tests.ops.test_kda" name="test_fused_recurrent_vllm_decode[B7]"><skipped message="needs CUDA"/>
+</testcase></testsuite></testsuites>"""
+
+
+def test_fla_suite_summary_groups_failures(tmp_path, capsys):
+    fs = load_fla_suite()
+    (tmp_path / "j.xml").write_text(JUNIT)
+    (tmp_path / "log").write_text("== 3 failed, 1 passed, 1 skipped, 7 deselected in 9.0s ==\n")
+    assert fs.summary(tmp_path / "j.xml", tmp_path / "log", tmp_path, "bc3b101dcb71") == 1
+    res = json.loads((tmp_path / "fla_suite.json").read_text())
+    assert res["counts"] == dict(passed=1, failed=3, error=0, skipped=1) and res["deselected"] == 7
+    assert [r["id"] for r in res["groups"]["backward"]] == ["test_chunk[B2-fp16]"]
+    assert [r["id"] for r in res["groups"]["other"]] == ["test_fused_recurrent[B1]"]
+    assert "has no backward" in res["groups"]["other"][0]["message"]
+    assert [r["id"] for r in res["groups"]["fla-only"]] == ["test_gate[B1]"]
+    assert "**1 passed, 3 failed, 0 errors, 1 skipped, 7 deselected**" in capsys.readouterr().out
+    # Only backward failures (and FLA-only ones): exit status 0.
+    (tmp_path / "j.xml").write_text(JUNIT.replace("test_fused_recurrent[B1]", "test_chunk_varlen[x]").replace(
+        "fused_recurrent_kda: has no backward", "the CUDA backward is not implemented"))
+    assert fs.summary(tmp_path / "j.xml", tmp_path / "log", tmp_path) == 0
+
+
+def test_fla_suite_reads_a_cut_short_log(tmp_path):
+    fs = load_fla_suite()
+    (tmp_path / "log").write_text(
+        "tests/ops/test_kda.py::test_chunk_varlen[H4-cu_seqlens[0, 15]-fp16] PASSED [ 1%]\n"
+        "tests/ops/test_kda.py::test_chunk[B1] FAILED [ 2%]\n")
+    rows = fs.results_from_log(tmp_path / "log")
+    assert [(r["id"], r["outcome"]) for r in rows] == [("test_chunk_varlen[H4-cu_seqlens[0, 15]-fp16]", "passed"),
+                                                       ("test_chunk[B1]", "failed")]
+    assert "not test_flash_kda_chunk" in fs.deselect_expr()
