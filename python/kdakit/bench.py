@@ -1,23 +1,27 @@
 """Benchmark: kdakit against FLA (and FlashKDA when importable), timed in one process on the same inputs.
 
-    python -m kdakit.bench [--out DIR] [--reps 30] [--only NAME ...]
+    python -m kdakit.bench [--out DIR] [--reps N] [--only NAME ...] [--forms FORM ...] [--list]
 
 Forward rows: bf16 inputs, gate (lower_bound -5), L2 norm and beta sigmoid in kernel, float32 initial state in
 and final state out, K = V = 128. Times are medians of CUDA-event timings with the L2 cache flushed before
-every run. The floor is the bytes that must move over the copy bandwidth measured in this process.
+every run (--reps: 30 forward, 20 decode by default). The floor is the bytes that must move over the copy bandwidth
+measured in this process.
 
-Decode rows (names start with "decode"; `--only decode` runs just them): `fused_recurrent_kda_fwd` in place on a
-v-first state pool ([slots,HV,V,K], float32 or bfloat16) through random slot ids, bf16 inputs, gate (lower_bound
--5), L2 norm and beta sigmoid in kernel, K = V = 128, caller-provided `out`. T = 1: one token per sequence, a pool
-of N slots, [N] indices (state read once, written once). T = 4: the speculative-decoding commit of the engines,
-[N,4] indices into a pool of 4N slots with random num_accepted_tokens (state read once, written after every token).
-The bandwidth column is those state bytes over the time, as a share of the measured copy bandwidth.
-Writes DIR/<device>.md, DIR/<device>.png (DIR/<device>-decode.png) and DIR/bench_table.txt.
+Decode rows (names start with "decode"; `--only decode` runs just them, `--forms` picks their forms):
+`fused_recurrent_kda_fwd` in place on a state pool, kdakit and FLA in the same form; the forms, the T = 1 and T = 4
+(speculative verify) rows and the goal are described in `kdakit.bench_decode`. 288 rows (6 forms x 2 pools x 2 T x
+3 head configurations x 4 N); on an H100/H200 the whole matrix takes minutes (FLA compiles a kernel per form, pool,
+T and head configuration on its first call).
+
+Writes DIR/<device>.md (tables), DIR/bench_table.txt, DIR/<device>.png (forward), and with decode rows
+DIR/<device>-decode.json (every row, machine-readable) and DIR/<device>-decode.png. `--list` prints the selected
+rows and exits (no GPU needed).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import re
 import statistics
@@ -27,6 +31,7 @@ from pathlib import Path
 import torch
 
 import kdakit
+from kdakit import bench_decode
 
 FORWARD_SHAPES = [
     # name, B, T, H, HV, cu_seqlens lengths
@@ -91,11 +96,13 @@ def forward_inputs(B, T, H, HV, lens):
     return x, floor_bytes
 
 
-def run_kdakit(x):
-    return kdakit.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
-                            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                            safe_gate=True, lower_bound=-5.0, A_log=x["A_log"], dt_bias=x["dt_bias"],
-                            cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"])
+def run_kdakit(x, lib=None):
+    """One forward call of kdakit (or of `lib`, another build's package) on a row's inputs."""
+    lib = kdakit if lib is None else lib
+    return lib.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         safe_gate=True, lower_bound=-5.0, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                         cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"])
 
 
 def fla_runner():
@@ -133,112 +140,6 @@ def flashkda_runner():
     return run
 
 
-# ---- decode -------------------------------------------------------------------------------------------------
-
-DECODE_NS = [1, 8, 32, 256, 1024]
-DECODE_HEADS = [(16, 16), (32, 32), (8, 32)]  # (H, HV)
-DECODE_TS = [1, 4]
-DECODE_POOLS = [("fp32", torch.float32), ("bf16", torch.bfloat16)]
-
-
-def decode_shapes():
-    for pool_name, pool_dtype in DECODE_POOLS:
-        for T in DECODE_TS:
-            for H, HV in DECODE_HEADS:
-                for N in DECODE_NS:
-                    heads = f"H{H}" if H == HV else f"H{H}-HV{HV}"
-                    yield f"decode T{T} N{N} {heads} {pool_name}", N, T, H, HV, pool_dtype
-
-
-def decode_inputs(N, T, H, HV, pool_dtype):
-    dev, bf = "cuda", torch.bfloat16
-    x = dict(
-        q=torch.randn(N, T, H, D, device=dev, dtype=bf), k=torch.randn(N, T, H, D, device=dev, dtype=bf),
-        v=torch.randn(N, T, HV, D, device=dev, dtype=bf), g=torch.randn(N, T, HV, D, device=dev, dtype=bf),
-        beta=torch.randn(N, T, HV, device=dev, dtype=bf),
-        A_log=torch.log(torch.empty(HV, device=dev).uniform_(1, 16)), dt_bias=torch.randn(HV * D, device=dev))
-    slots = N * T
-    x["pool"] = torch.randn(slots, HV, D, D, device=dev).to(pool_dtype)  # v-first [slots,HV,V,K]; V = K here
-    perm = torch.randperm(slots, device=dev).to(torch.int32)
-    x["idx"] = perm if T == 1 else perm.reshape(N, T)
-    x["acc"] = None if T == 1 else torch.randint(1, T + 1, (N,), device=dev, dtype=torch.int32)
-    x["out"] = torch.empty(N, T, HV, D, device=dev, dtype=bf)
-    state_bytes = N * HV * D * D * x["pool"].element_size() * (1 + T)  # read once; written once per token
-    return x, state_bytes
-
-
-def decode_kwargs(x):
-    return dict(inplace_final_state=True, state_v_first=True, ssm_state_indices=x["idx"],
-                num_accepted_tokens=x["acc"], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, out=x["out"])
-
-
-def run_kdakit_decode(x):
-    return kdakit.fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
-                                          x["pool"], None, **decode_kwargs(x))
-
-
-def fla_decode_runner():
-    try:
-        import inspect
-
-        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-    except Exception as e:  # noqa: BLE001
-        print(f"FLA decode not importable: {e}")
-        return None
-    if "state_v_first" not in inspect.signature(fused_recurrent_kda_fwd).parameters:
-        print("FLA's fused_recurrent_kda_fwd has no state_v_first; decode rows run without FLA")
-        return None
-
-    def run(x):
-        return fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
-                                       initial_state=x["pool"], scale=None, **decode_kwargs(x))
-    return run
-
-
-def bench_decode(args, bw, flush, only):
-    fla = fla_decode_runner()
-    rows = []
-    torch.manual_seed(0)
-    for name, N, T, H, HV, pool_dtype in decode_shapes():
-        if only and not any(s in name for s in only):
-            continue
-        x, state_bytes = decode_inputs(N, T, H, HV, pool_dtype)
-        with torch.inference_mode():
-            diff = t_fla = None
-            if fla is not None:  # both from the same pool once, for the difference of the outputs
-                start = x["pool"].clone()
-                run_kdakit_decode(x)
-                ours = x["out"].clone()
-                x["pool"].copy_(start)
-                fla(x)
-                diff = rel_diff(ours, x["out"])
-                del start, ours
-                t_fla = time_ms(lambda: fla(x), args.reps, flush)
-            t_ours = time_ms(lambda: run_kdakit_decode(x), args.reps, flush)
-        share = lambda t: None if t is None else state_bytes / (t * 1e-3) / bw
-        rows.append(dict(name=name, mb=state_bytes / 1e6, ours=t_ours, fla=t_fla, bw=share(t_ours), fla_bw=share(t_fla),
-                         diff=diff))
-        print(f"{name:28s} kdakit {t_ours * 1e3:8.1f} us  FLA {t_fla * 1e3 if t_fla else float('nan'):8.1f} us  "
-              f"state {state_bytes / 1e6:9.1f} MB  {100 * share(t_ours):5.1f}% of copy bandwidth", flush=True)
-        del x
-        torch.cuda.empty_cache()
-    return rows
-
-
-def decode_table(rows):
-    fmt = lambda v, f: "—" if v is None else f.format(v)
-    lines = ["| shape | state MB (read + write) | kdakit µs | FLA µs | kdakit/FLA | kdakit % copy BW | FLA % copy BW | "
-             "rel. diff vs FLA |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        ratio = r["ours"] / r["fla"] if r["fla"] else None
-        lines.append("| " + " | ".join([
-            r["name"], f"{r['mb']:.1f}", f"{r['ours'] * 1e3:.1f}", fmt(r["fla"] and r["fla"] * 1e3, "{:.1f}"),
-            fmt(ratio, "{:.2f}"), f"{100 * r['bw']:.0f}%", fmt(r["fla_bw"] and 100 * r["fla_bw"], "{:.0f}%"),
-            fmt(r["diff"], "{:.1e}")]) + " |")
-    return "\n".join(lines)
-
-
 def rel_diff(a, b) -> float:
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -256,41 +157,63 @@ def git_commit() -> str:
         return "unknown"
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".")
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=None, help="timed runs per row (default 30 forward, 20 decode)")
     ap.add_argument("--only", nargs="*", default=None, help="substrings of row names to run")
+    ap.add_argument("--forms", nargs="+", default=None, choices=bench_decode.FORM_NAMES, metavar="FORM",
+                    help="decode forms to run (default all): " + ", ".join(bench_decode.FORM_NAMES))
+    ap.add_argument("--list", action="store_true", help="print the selected rows and exit")
     ap.add_argument("--commit", default=None,
                     help="commit named in the table header (a copied tree or an installed package has no git history)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available() or not kdakit.cuda_available():
-        print("kdakit.bench needs a CUDA device and kdakit's CUDA kernels")
-        return 1
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    bw = copy_bandwidth()
-    flush = flush_buffer()
-    fla, fkda = fla_runner(), flashkda_runner()
+    if args.reps is not None and args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
+    return args
+
+
+def selected_rows(args):
+    """(forward shapes, decode cases) that --only and --forms select."""
+    forward = [s for s in FORWARD_SHAPES if not args.only or any(o in s[0] for o in args.only)]
+    return forward, bench_decode.decode_cases(args.forms, args.only)
+
+
+def forward_table(rows, with_flashkda: bool) -> str:
+    head = (f"| shape | floor ms | kdakit ms | FLA ms | kdakit/FLA | kdakit/floor |"
+            f"{' FlashKDA ms |' if with_flashkda else ''} rel. diff vs FLA |")
+    sep = "|---" * (7 if with_flashkda else 6) + "|---|"
+    lines = [head, sep]
+    fmt = bench_decode.fmt
+    for r in rows:
+        ratio = r["ours"] / r["fla"] if r["fla"] else None
+        cells = [r["name"], fmt(r["floor"], "{:.3f}"), fmt(r["ours"], "{:.3f}"), fmt(r["fla"], "{:.3f}"),
+                 fmt(ratio, "{:.2f}"), fmt(r["ours"] / r["floor"], "{:.1f}")]
+        if with_flashkda:
+            cells.append(fmt(r["fk"], "{:.3f}"))
+        cells.append(fmt(r["diff"], "{:.1e}"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def bench_forward(shapes, reps, bw, flush, fla, fkda):
     rows = []
     torch.manual_seed(0)
-    for name, B, T, H, HV, lens in FORWARD_SHAPES:
-        if args.only and not any(s in name for s in args.only):
-            continue
+    for name, B, T, H, HV, lens in shapes:
         x, floor_bytes = forward_inputs(B, T, H, HV, lens)
         floor = floor_bytes / bw * 1e3
         with torch.inference_mode():
-            t_ours = time_ms(lambda: run_kdakit(x), args.reps, flush)
+            t_ours = time_ms(lambda: run_kdakit(x), reps, flush)
             o, ht = run_kdakit(x)
             t_fla = diff = None
             if fla is not None:
-                t_fla = time_ms(lambda: fla(x), args.reps, flush)
+                t_fla = time_ms(lambda: fla(x), reps, flush)
                 fo, fht = fla(x)
                 diff = rel_diff(o, fo)
             t_fk = None
             if fkda is not None and lens is None:
                 try:
-                    t_fk = time_ms(lambda: fkda(x), args.reps, flush)
+                    t_fk = time_ms(lambda: fkda(x), reps, flush)
                 except Exception as e:  # noqa: BLE001
                     print(f"FlashKDA failed on {name}: {e}")
         rows.append(dict(name=name, floor=floor, ours=t_ours, fla=t_fla, fk=t_fk, diff=diff))
@@ -298,97 +221,111 @@ def main(argv=None) -> int:
               f"floor {floor:6.3f} ms  diff vs FLA {diff if diff is not None else float('nan'):.1e}", flush=True)
         del x
         torch.cuda.empty_cache()
-    decode_rows = bench_decode(args, bw, flush, args.only)
+    return rows
+
+
+def plot_forward(rows, path, dev) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    xs = range(len(rows))
+    w = 0.27
+    ax.bar([i - w for i in xs], [r["floor"] for r in rows], w, label="floor")
+    ax.bar(list(xs), [r["ours"] for r in rows], w, label="kdakit")
+    ax.bar([i + w for i in xs], [r["fla"] or 0 for r in rows], w, label="FLA")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([r["name"] for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.set_title(f"KDA forward, {dev}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+DECODE_INTRO = ("Decode (`fused_recurrent_kda_fwd` in place on a state pool; kdakit and FLA in the same form, same "
+                "inputs): bf16 q/k/v, K = V = 128, L2 norm in kernel, caller `out`; gate (lower_bound -5) and beta "
+                "sigmoid in kernel except in pregated-fp32. Forms: batch-vfirst / batch-kfirst ([N,T] inputs, pool "
+                "[slots,HV,V,K] / [slots,HV,K,V]); varlen-vfirst / varlen-kfirst ([1,N*T] inputs, int32 cu_seqlens); "
+                "spare-slots (batch-vfirst, pool of 4x the touched slots up to 16 GiB, random int64 slot ids); "
+                "pregated-fp32 (varlen-vfirst with fp32 pre-gated g and fp32 post-sigmoid beta). T1: [N] slot ids, "
+                "state read and written once; T4: [N,4] slot ids with random num_accepted_tokens (speculative "
+                "verify), state read once and written after every token. Bandwidth: those state bytes over the "
+                "time, as a share of the measured copy bandwidth. Meets: faster than FLA and, from N = "
+                f"{bench_decode.GOAL_MIN_N}, at least {100 * bench_decode.BANDWIDTH_GOAL:.0f}% of copy bandwidth, "
+                f"with outputs and updated slots within {bench_decode.DIFF_FLAG:.0e} (relative RMS) of FLA's.")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    shapes, cases = selected_rows(args)
+    if args.list:
+        for s in shapes:
+            print(s[0])
+        for c in cases:
+            print(f"{c.name}  (pool slots {c.pool_slots}, state {c.state_bytes / 1e6:.1f} MB)")
+        print(f"{len(shapes)} forward rows, {len(cases)} decode rows")
+        return 0
+    if not torch.cuda.is_available() or not kdakit.cuda_available():
+        print("kdakit.bench needs a CUDA device and kdakit's CUDA kernels")
+        return 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bw = copy_bandwidth()
+    flush = flush_buffer()
+    rows = []
+    fkda = None
+    if shapes:
+        fla, fkda = fla_runner(), flashkda_runner()
+        rows = bench_forward(shapes, args.reps or 30, bw, flush, fla, fkda)
+    decode_rows = []
+    if cases:
+        fla_decode = bench_decode.fla_decode_runner()
+        print(f"{len(cases)} decode rows")
+        decode_rows = bench_decode.run_rows(cases, timer=time_ms, reps=args.reps or 20, bw=bw, flush=flush,
+                                            fla=fla_decode, log=lambda s: print(s, flush=True))
 
     dev = torch.cuda.get_device_name()
-    head = (f"| shape | floor ms | kdakit ms | FLA ms | kdakit/FLA | kdakit/floor |"
-            f"{' FlashKDA ms |' if fkda else ''} rel. diff vs FLA |")
-    sep = "|---" * (7 if fkda else 6) + "|---|"
-    lines = [head, sep]
-    fmt = lambda v, f="{:.3f}": "—" if v is None else f.format(v)
-    for r in rows:
-        ratio = r["ours"] / r["fla"] if r["fla"] else None
-        cells = [r["name"], fmt(r["floor"]), fmt(r["ours"]), fmt(r["fla"]), fmt(ratio, "{:.2f}"),
-                 fmt(r["ours"] / r["floor"], "{:.1f}")]
-        if fkda:
-            cells.append(fmt(r["fk"]))
-        cells.append(fmt(r["diff"], "{:.1e}"))
-        lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    reps = " and ".join(f"{n} runs ({what})" for n, what, on in ((args.reps or 30, "forward", rows),
+                                                                 (args.reps or 20, "decode", decode_rows)) if on)
     meta = (f"{dev}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs; torch {torch.__version__}; "
             f"kdakit {kdakit.__version__} ({args.commit or git_commit()}); {stamp}; measured copy bandwidth "
-            f"{bw / 1e12:.2f} TB/s (read + write); median of {args.reps} runs, L2 flushed before each.")
+            f"{bw / 1e12:.2f} TB/s (read + write); median of {reps or 'no runs'}, L2 flushed before each.")
     md = f"# kdakit benchmark: {dev}\n\n{meta}\n"
     text = meta + "\n"
     if rows:
-        md += (f"\nForward: bf16 inputs, gate (lower_bound -5), L2 norm and beta sigmoid in kernel, float32 initial state "
-               f"in and final state out, K = V = 128.\n\n{table}\n")
+        table = forward_table(rows, fkda is not None)
+        md += (f"\nForward: bf16 inputs, gate (lower_bound -5), L2 norm and beta sigmoid in kernel, float32 initial "
+               f"state in and final state out, K = V = 128.\n\n{table}\n")
         text += table + "\n"
-    if decode_rows:
-        dtable = decode_table(decode_rows)
-        md += (f"\nDecode (`fused_recurrent_kda_fwd`, in place on a v-first pool through random slot ids): bf16 inputs, "
-               f"gate (lower_bound -5), L2 norm and beta sigmoid in kernel, K = V = 128, caller `out`. T1: [N] indices, "
-               f"state read and written once. T4: [N,4] indices with num_accepted_tokens (speculative commit), state read "
-               f"once and written after every token. Bandwidth: those state bytes over the time, as a share of the "
-               f"measured copy bandwidth.\n\n{dtable}\n")
-        text += dtable + "\n"
-    (out / f"{device_slug()}.md").write_text(md)
-    (out / "bench_table.txt").write_text(text)
-    if decode_rows:
         try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            fig, ax = plt.subplots(figsize=(max(10, 0.22 * len(decode_rows)), 4.5))
-            xs = range(len(decode_rows))
-            ax.bar([i - 0.2 for i in xs], [100 * r["bw"] for r in decode_rows], 0.4, label="kdakit")
-            ax.bar([i + 0.2 for i in xs], [100 * (r["fla_bw"] or 0) for r in decode_rows], 0.4, label="FLA")
-            ax.set_xticks(list(xs))
-            ax.set_xticklabels([r["name"][len("decode "):] for r in decode_rows], rotation=90, fontsize=6)
-            ax.set_ylabel("state bytes / time, % of copy bandwidth")
-            ax.set_title(f"KDA decode, {dev}")
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(out / f"{device_slug()}-decode.png", dpi=110)
+            plot_forward(rows, out / f"{device_slug()}.png", dev)
+        except Exception as e:  # noqa: BLE001
+            print(f"plot skipped: {e}")
+    if decode_rows:
+        summary, dtable = bench_decode.form_summary(decode_rows), bench_decode.decode_table(decode_rows)
+        errors = bench_decode.errors_list(decode_rows)
+        md += f"\n{DECODE_INTRO}\n\n{summary}\n\n{dtable}\n" + (f"\nErrors:\n\n{errors}\n" if errors else "")
+        text += f"{summary}\n{dtable}\n" + (f"{errors}\n" if errors else "")
+        record = dict(device=dev, sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                      torch=torch.__version__, kdakit=kdakit.__version__, commit=args.commit or git_commit(),
+                      date=stamp, copy_bandwidth=bw, reps=args.reps or 20, goal=dict(
+                          bandwidth=bench_decode.BANDWIDTH_GOAL, from_n=bench_decode.GOAL_MIN_N,
+                          diff=bench_decode.DIFF_FLAG), rows=decode_rows)
+        (out / f"{device_slug()}-decode.json").write_text(json.dumps(record, indent=1) + "\n")
+        try:
+            bench_decode.plot(decode_rows, out / f"{device_slug()}-decode.png", f"KDA decode, {dev}")
         except Exception as e:  # noqa: BLE001
             print(f"decode plot skipped: {e}")
-    if not rows:
-        print()
-        print(meta)
-        if decode_rows:
-            print(decode_table(decode_rows))
-        return 0
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(10, 4.5))
-        names = [r["name"] for r in rows]
-        xs = range(len(rows))
-        w = 0.27
-        ax.bar([i - w for i in xs], [r["floor"] for r in rows], w, label="floor")
-        ax.bar(list(xs), [r["ours"] for r in rows], w, label="kdakit")
-        ax.bar([i + w for i in xs], [r["fla"] or 0 for r in rows], w, label="FLA")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("ms")
-        ax.set_yscale("log")
-        ax.set_title(f"KDA forward, {dev}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / f"{device_slug()}.png", dpi=110)
-    except Exception as e:  # noqa: BLE001
-        print(f"plot skipped: {e}")
+    (out / f"{device_slug()}.md").write_text(md)
+    (out / "bench_table.txt").write_text(text)
     print()
-    print(meta)
-    print(table)
-    if decode_rows:
-        print(decode_table(decode_rows))
+    print(text)
     return 0
 
 

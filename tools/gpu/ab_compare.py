@@ -1,12 +1,14 @@
 """Same-process A/B of two kdakit builds: did a change alter any output bit or any kernel time?
 
     tools/gpu/ab_build.sh BASE_TREE CURRENT_TREE PREFIX        (or: tools/gpu/run compare [BASE_TREE] [options])
-    PYTHONPATH=PREFIX/site python3 tools/gpu/ab_compare.py [--reps N] [--only SUBSTR ...] [--profile]
+    PYTHONPATH=PREFIX/site python3 tools/gpu/ab_compare.py [--reps N] [--only SUBSTR ...] [--forms FORM ...]
+                                                            [--profile]
 
 Imports the current build as `kdakit` and the base build as `kdakit_base` (built by tools/gpu/ab_build.sh with its
-own nanobind domain and renamed self-references) in this one process, and runs every benchmark row of
-kdakit.bench (forward rows of FORWARD_SHAPES, decode rows of decode_shapes(); the current tree's helpers build the
-inputs and make the calls, the base's calls go through a copy of kdakit.bench bound to kdakit_base) through both:
+own nanobind domain and renamed self-references) in this one process, and runs benchmark rows (forward rows of
+kdakit.bench.FORWARD_SHAPES, decode rows of kdakit.bench_decode.decode_cases(), by default of the batch-vfirst form;
+--forms picks others) through both: the current tree's helpers build the inputs and make the calls, passing the base
+package as `lib` for the base's calls.
 
 1. Bits: the same inputs (fixed seed per row) through the current and the base call; for decode each on its own
    copy of the state pool (updated in place) and its own zeroed `out`. Every output (forward: o and the final state;
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import statistics
@@ -42,26 +43,14 @@ INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def load_packages():
-    """kdakit (current), kdakit_base (base), kdakit.bench, and a copy of kdakit.bench bound to kdakit_base."""
+    """kdakit (current), kdakit_base (base), and the current tree's kdakit.bench and kdakit.bench_decode."""
     try:
         import kdakit
         import kdakit_base
-        from kdakit import bench
+        from kdakit import bench, bench_decode
     except ImportError as e:
         sys.exit(f"ab_compare: {e}; build both trees with tools/gpu/ab_build.sh and run with PYTHONPATH=PREFIX/site")
-    # The current tree's bench module, executed again with `import kdakit` resolving to kdakit_base: every helper in
-    # it (run_kdakit, run_kdakit_decode, decode_kwargs, ...) then calls the base build with the same arguments.
-    spec = importlib.util.spec_from_file_location("_ab_bench_base", bench.__file__)
-    base_bench = importlib.util.module_from_spec(spec)
-    saved = sys.modules["kdakit"]
-    sys.modules["kdakit"] = kdakit_base
-    try:
-        spec.loader.exec_module(base_bench)
-    finally:
-        sys.modules["kdakit"] = saved
-    if base_bench.kdakit is not kdakit_base:
-        sys.exit("ab_compare: could not bind a copy of kdakit.bench to kdakit_base")
-    return kdakit, kdakit_base, bench, base_bench
+    return kdakit, kdakit_base, bench, bench_decode
 
 
 def origin(mod):
@@ -137,7 +126,7 @@ def kernel_us(fn, flush):
     return statistics.median(per_call)
 
 
-def run_row(args, bench, base_bench, flush, row):
+def run_row(args, bench, bench_decode, base, flush, row):
     """Bits, times and (--profile) kernel times of one row; frees its inputs before returning."""
     name, kind = row["name"], row["kind"]
     torch.manual_seed(row["seed"])
@@ -146,7 +135,7 @@ def run_row(args, bench, base_bench, flush, row):
         x, _ = bench.forward_inputs(*row["shape"])
         names = ["o", "final_state"]
         call_cur = lambda: bench.run_kdakit(x)  # noqa: E731
-        call_base = lambda: base_bench.run_kdakit(x)  # noqa: E731
+        call_base = lambda: bench.run_kdakit(x, lib=base)  # noqa: E731
         cur = outputs(call_cur(), names)
         base = outputs(call_base(), names)
         res["outputs"] = compare_all(cur, base)
@@ -156,24 +145,24 @@ def run_row(args, bench, base_bench, flush, row):
         fn_cur, fn_base = call_cur, call_base
         xs = [x]
     else:
-        x, _ = bench.decode_inputs(*row["shape"])
+        x, _ = bench_decode.decode_inputs(row["case"])
         pool0 = x["pool"]
         xc, xb = dict(x), dict(x)
         xc["pool"], xb["pool"] = pool0.clone(), pool0.clone()
         xc["out"], xb["out"] = torch.zeros_like(x["out"]), torch.zeros_like(x["out"])
-        bench.run_kdakit_decode(xc)
-        base_bench.run_kdakit_decode(xb)
+        bench_decode.run_kdakit_decode(xc)
+        bench_decode.run_kdakit_decode(xb, lib=base)
         res["outputs"] = compare_all({"out": xc["out"], "pool": xc["pool"]}, {"out": xb["out"], "pool": xb["pool"]})
         if not all(v["equal"] for v in res["outputs"].values()):
             xb["pool"].copy_(pool0)
             xb["out"].zero_()
-            bench.run_kdakit_decode(xb)  # the current build again, from the same state
+            bench_decode.run_kdakit_decode(xb)  # the current build again, from the same state
             res["cur_repeatable"] = all(v["equal"] for v in compare_all(
                 {"out": xc["out"], "pool": xc["pool"]}, {"out": xb["out"], "pool": xb["pool"]}).values())
         del pool0
         x.clear()
-        fn_cur = lambda: bench.run_kdakit_decode(xc)  # noqa: E731
-        fn_base = lambda: base_bench.run_kdakit_decode(xb)  # noqa: E731
+        fn_cur = lambda: bench_decode.run_kdakit_decode(xc)  # noqa: E731
+        fn_base = lambda: bench_decode.run_kdakit_decode(xb, lib=base)  # noqa: E731
         xs = [xc, xb]
     res["equal"] = all(v["equal"] for v in res["outputs"].values())
     res["base_ms"], res["cur_ms"] = interleaved_ms(bench, fn_base, fn_cur, args.reps, args.block, flush)
@@ -189,12 +178,12 @@ def run_row(args, bench, base_bench, flush, row):
     return res
 
 
-def rows_of(bench, only):
+def rows_of(bench, bench_decode, only, forms):
     rows = []
     for name, B, T, H, HV, lens in bench.FORWARD_SHAPES:
         rows.append(dict(name=name, kind="forward", shape=(B, T, H, HV, lens)))
-    for name, N, T, H, HV, pool_dtype in bench.decode_shapes():
-        rows.append(dict(name=name, kind="decode", shape=(N, T, H, HV, pool_dtype)))
+    for case in bench_decode.decode_cases(forms):
+        rows.append(dict(name=case.name, kind="decode", case=case))
     for r in rows:
         r["seed"] = zlib.crc32(r["name"].encode())  # fixed per row, the same with or without --only
     return [r for r in rows if not only or any(s in r["name"] for s in only)]
@@ -257,6 +246,8 @@ def main(argv=None):
     ap.add_argument("--block", type=int, default=1,
                     help="runs per kdakit.bench.time_ms call; blocks alternate A B B A (default 1: call by call)")
     ap.add_argument("--only", nargs="*", default=None, help="substrings of row names to run (default: all rows)")
+    ap.add_argument("--forms", nargs="+", default=None, metavar="FORM",
+                    help="decode forms (kdakit.bench_decode.FORM_NAMES; default batch-vfirst)")
     ap.add_argument("--profile", action="store_true", help="also kernel times by torch.profiler")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kdakit-out"),
                     help="folder for ab_compare.json / ab_compare.md (default $OUT or /tmp/kdakit-out)")
@@ -264,11 +255,15 @@ def main(argv=None):
     if args.reps < 1 or args.block < 1:
         ap.error("--reps and --block must be >= 1")
 
-    kdakit, kdakit_base, bench, base_bench = load_packages()
+    kdakit, kdakit_base, bench, bench_decode = load_packages()
+    forms = args.forms or [bench_decode.DEFAULT_TOOL_FORM]
+    for f in forms:
+        if f not in bench_decode.FORM_NAMES:
+            ap.error(f"--forms: unknown form {f!r}; the forms are {', '.join(bench_decode.FORM_NAMES)}")
     print("loaded:")
     for m in (kdakit, kdakit_base):
         print("  " + origin(m))
-    print(f"  bench helpers: {bench.__file__} (base calls through a copy bound to {base_bench.kdakit.__name__})")
+    print(f"  bench helpers: {bench.__file__}, {bench_decode.__file__} (base calls pass lib=kdakit_base)")
     if Path(kdakit._C.__file__).resolve() == Path(kdakit_base._C.__file__).resolve():
         print("ab_compare: kdakit and kdakit_base load the same extension file")
         return 2
@@ -278,7 +273,7 @@ def main(argv=None):
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}; {args.reps} timed runs per build and row, blocks of {args.block}")
 
-    rows = rows_of(bench, args.only)
+    rows = rows_of(bench, bench_decode, args.only, forms)
     if not rows:
         print(f"no benchmark row matches {args.only}")
         return 2
@@ -287,12 +282,12 @@ def main(argv=None):
     with torch.inference_mode():
         for row in rows:
             try:
-                r = run_row(args, bench, base_bench, flush, row)
+                r = run_row(args, bench, bench_decode, kdakit_base, flush, row)
             except Exception as e:  # noqa: BLE001  (a row that fails is reported, the others still run)
                 r = dict(name=row["name"], kind=row["kind"], seed=row["seed"], equal=False, error=repr(e)[:300])
                 torch.cuda.empty_cache()
             results.append(r)
-            line = (f"{r['name']:28s} {equal_cell(r):6s} base {fmt(r.get('base_ms'), '{:9.4f}')} ms  "
+            line = (f"{r['name']:42s} {equal_cell(r):6s} base {fmt(r.get('base_ms'), '{:9.4f}')} ms  "
                     f"cur {fmt(r.get('cur_ms'), '{:9.4f}')} ms  cur/base {fmt(r.get('ratio'), '{:.3f}')}")
             if args.profile:
                 line += (f"  kernels base {fmt(r.get('base_kernel_us'), '{:9.1f}')} us  cur "

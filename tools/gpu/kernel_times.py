@@ -3,15 +3,16 @@ row's benchmark time is the kernels themselves (the rest is launch latency or ho
 
     python3 tools/gpu/kernel_times.py [--kdakit-only] [row name substring] [...]
 
-Forward rows are named as in `kdakit.bench.FORWARD_SHAPES`, decode rows as in `kdakit.bench.decode_shapes()`
-(e.g. "decode T1 N1 H16 fp32").
+Forward rows are named as in `kdakit.bench.FORWARD_SHAPES`, decode rows as in `kdakit.bench_decode.decode_cases()`
+(e.g. "decode T1 N1 H16 fp32"; rows of the batch-vfirst form unless the substring names a form, e.g.
+"decode T1 N256 H16 fp32 varlen-kfirst").
 """
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kdakit import bench
+from kdakit import bench, bench_decode
 
 REPS = 5
 
@@ -47,13 +48,12 @@ def main(names):
             for label, fn in (("kdakit", bench.run_kdakit), ("FLA", fla)):
                 if fn is not None:
                     report(name, label, fn, x)
-    fla_decode = None if only else bench.fla_decode_runner()
-    for name, N, T, H, HV, pool_dtype in bench.decode_shapes():
-        if any(s in name for s in names):
-            x, _ = bench.decode_inputs(N, T, H, HV, pool_dtype)
-            for label, fn in (("kdakit", bench.run_kdakit_decode), ("FLA", fla_decode)):
-                if fn is not None:
-                    report(name, label, fn, x)
+    fla_decode = None if only else bench_decode.fla_decode_runner()
+    for case in bench_decode.select_cases(names):
+        x, _ = bench_decode.decode_inputs(case)
+        for label, fn in (("kdakit", bench_decode.run_kdakit_decode), ("FLA", fla_decode)):
+            if fn is not None:
+                report(case.name, label, fn, x)
 
 
 if __name__ == "__main__":

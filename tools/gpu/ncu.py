@@ -4,7 +4,8 @@
     python3 tools/gpu/ncu.py lines FILE.csv [lines]            hottest CUDA source lines of a source-page export
 
 case: one call of kdakit on the benchmark rows whose names contain the argument (forward rows as in
-kdakit.bench.FORWARD_SHAPES, decode rows as in kdakit.bench.decode_shapes()): the workload the ncu runs profile.
+kdakit.bench.FORWARD_SHAPES, decode rows as in kdakit.bench_decode.decode_cases(), of the batch-vfirst form unless the
+argument names a form): the workload the ncu runs profile.
 
 lines: sums Nsight Compute's per-SASS-instruction metrics (instructions executed, warp stall samples) by CUDA source
 line, from `ncu -i REP --page source --csv --print-source cuda,sass`, and prints the hottest lines (needs neither
@@ -18,7 +19,7 @@ import sys
 def case(row):
     import torch
 
-    from kdakit import bench
+    from kdakit import bench, bench_decode
 
     ran = 0
     with torch.inference_mode():
@@ -27,11 +28,10 @@ def case(row):
                 x, _ = bench.forward_inputs(B, T, H, HV, lens)
                 bench.run_kdakit(x)
                 ran += 1
-        for name, N, T, H, HV, pool_dtype in bench.decode_shapes():
-            if row in name:
-                x, _ = bench.decode_inputs(N, T, H, HV, pool_dtype)
-                bench.run_kdakit_decode(x)
-                ran += 1
+        for c in bench_decode.select_cases([row]):
+            x, _ = bench_decode.decode_inputs(c)
+            bench_decode.run_kdakit_decode(x)
+            ran += 1
         torch.cuda.synchronize()
     if ran == 0:
         sys.exit(f"no benchmark row matches {row!r}")

@@ -8,6 +8,9 @@
 #   .deps/googletest/       copy of /usr/src/googletest (when present here), for the C++ tests offline
 #   .deps/wheels/           flash-linear-attention and fla-core wheels (peers of the side-by-side tests and benchmark)
 #   .deps/ab/base/          `git archive BASE_COMMIT` of this repository: the base tree of tools/gpu/run compare / ab.sh
+#   .deps/peers/            with FLA_GIT=<a git directory of fla-org/flash-linear-attention> (clone or mirror): at its
+#                           HEAD, FLA's package (peers/fla_src/fla), tests/ops/test_kda.py and tests/conftest.py
+#                           (peers/fla_tests), the commit (peers/fla.commit): the peer suite of tools/gpu/run fla-suite
 #
 # Idempotent: what is already there (same version, same commit) is kept; prints what it put where.
 set -euo pipefail
@@ -73,6 +76,24 @@ else
   git archive "$full" | tar -x -C .deps/ab/base
   echo "$full" >.deps/ab/base.commit
   echo "ab base:    .deps/ab/base <- git archive $BASE_COMMIT (${full:0:12})"
+fi
+
+# --- FLA's KDA test file and package at one commit (the peer suite)
+if [[ -n ${FLA_GIT:-} ]]; then
+  fla_commit=$(git --git-dir="$FLA_GIT" rev-parse HEAD)
+  if [[ -f .deps/peers/fla_tests/test_kda.py && $(cat .deps/peers/fla.commit 2>/dev/null) == "$fla_commit" ]]; then
+    echo "peers:      .deps/peers (FLA ${fla_commit:0:12}) already there"
+  else
+    rm -rf .deps/peers/fla_src .deps/peers/fla_tests
+    mkdir -p .deps/peers/fla_src .deps/peers/fla_tests
+    git --git-dir="$FLA_GIT" archive HEAD fla | tar -x -C .deps/peers/fla_src
+    git --git-dir="$FLA_GIT" show HEAD:tests/ops/test_kda.py >.deps/peers/fla_tests/test_kda.py
+    git --git-dir="$FLA_GIT" show HEAD:tests/conftest.py >.deps/peers/fla_tests/conftest.py
+    echo "$fla_commit" >.deps/peers/fla.commit
+    echo "peers:      .deps/peers <- FLA ${fla_commit:0:12} (fla/, tests/ops/test_kda.py, tests/conftest.py)"
+  fi
+else
+  echo "peers:      FLA_GIT not set: .deps/peers (the fla-suite's test file) left as it is"
 fi
 
 echo

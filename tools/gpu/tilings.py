@@ -11,7 +11,8 @@ decode: time per launch shape (KDAKIT_DECODE_WARPS x KDAKIT_DECODE_PASSES: the d
 1/2/4), L2 flushed, medians of 20 CUDA-event timings (kdakit.bench.time_ms), and the best shape's share of the copy
 bandwidth: checks `plan_decode_launch` (src/cuda/decode/plan.cpp).
 
-Forward rows are named as in kdakit.bench.FORWARD_SHAPES, decode rows as in kdakit.bench.decode_shapes().
+Forward rows are named as in kdakit.bench.FORWARD_SHAPES, decode rows as in kdakit.bench_decode.decode_cases() (of
+the batch-vfirst form unless a substring names another form, e.g. "T1 N256 H16 fp32 varlen-kfirst").
 """
 import os
 import sys
@@ -20,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 REPS = 5
-bench = None  # kdakit.bench, imported in main (the usage text needs no build)
+bench = bench_decode = None  # kdakit.bench and kdakit.bench_decode, imported in main (the usage text needs no build)
 
 
 def kernel_times(fn):
@@ -71,12 +72,11 @@ def decode(rows):
     bw, flush = bench.copy_bandwidth(), bench.flush_buffer()
     rows = rows or ["T1 N256 ", "T1 N1024 "]
     shapes = [(w, p) for w in (2, 4) for p in (1, 2, 4)]
-    print(f"{'row':28s} {'default':>9s} " + " ".join(f"{f'w{w}p{p}':>8s}" for w, p in shapes) + "  (us)")
+    print(f"{'row':42s} {'default':>9s} " + " ".join(f"{f'w{w}p{p}':>8s}" for w, p in shapes) + "  (us)")
     torch.manual_seed(0)
-    for name, N, T, H, HV, pool_dtype in bench.decode_shapes():
-        if not any(r in name for r in rows):
-            continue
-        x, nbytes = bench.decode_inputs(N, T, H, HV, pool_dtype)
+    for case in bench_decode.select_cases(rows):
+        name = case.name
+        x, nbytes = bench_decode.decode_inputs(case)
         times = []
         with torch.inference_mode():
             for w, p in [(None, None)] + shapes:
@@ -86,25 +86,25 @@ def decode(rows):
                     else:
                         os.environ[var] = str(val)
                 kdakit._C.reload_overrides()  # the overrides are read once per process
-                times.append(bench.time_ms(lambda: bench.run_kdakit_decode(x), 20, flush) * 1e3)
+                times.append(bench.time_ms(lambda: bench_decode.run_kdakit_decode(x), 20, flush) * 1e3)
         for var in ("KDAKIT_DECODE_WARPS", "KDAKIT_DECODE_PASSES"):
             os.environ.pop(var, None)
         kdakit._C.reload_overrides()
         best = min(range(len(times)), key=times.__getitem__)
         label = "default" if best == 0 else f"w{shapes[best - 1][0]}p{shapes[best - 1][1]}"
-        print(f"{name:28s} " + " ".join(f"{t:8.1f}" + ("*" if i == best else " ") for i, t in enumerate(times))
+        print(f"{name:42s} " + " ".join(f"{t:8.1f}" + ("*" if i == best else " ") for i, t in enumerate(times))
               + f"  best {label}: {100 * nbytes / (times[best] * 1e-6) / bw:.1f}% of copy bandwidth", flush=True)
         del x
         torch.cuda.empty_cache()
 
 
 def main(argv):
-    global bench, kdakit
+    global bench, bench_decode, kdakit
     if not argv or argv[0] not in ("forward", "decode"):
         print(__doc__)
         return 2
     import kdakit
-    from kdakit import bench
+    from kdakit import bench, bench_decode
     (forward if argv[0] == "forward" else decode)(argv[1:])
     return 0
 

@@ -1,0 +1,274 @@
+"""The benchmark's decode rows (kdakit.bench_decode) and the peer-suite helper (tools/gpu/fla_suite.py) on the CPU:
+the row matrix, every form's inputs, a row run end to end through kdakit's CPU path, the goal verdicts, the tables,
+the rewrite of FLA's test file and the summary of a JUnit file. Timings here are stand-ins; the GPU runs time."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kdakit import bench, bench_decode as bd  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def small_case(form, pool="bf16", T=1, H=2, HV=4, N=3):
+    return bd.DecodeCase(bd.form_by_name(form), pool, dict(bd.DECODE_POOLS)[pool], T, H, HV, N)
+
+
+def test_matrix_has_every_form_pool_t_heads_and_n():
+    cases = bd.decode_cases()
+    assert len(cases) == len(bd.FORMS) * 2 * 2 * 3 * 4 == 288
+    assert len({c.name for c in cases}) == 288
+    assert {c.N for c in cases} == {1, 32, 256, 1024}
+    assert {(c.H, c.HV) for c in cases} == {(16, 16), (32, 32), (8, 32)}
+    # A row name from before the forms still selects its shape, in every form.
+    sel = bd.decode_cases(only=["decode T1 N1 H16 fp32"])
+    assert sorted(c.form.name for c in sel) == sorted(bd.FORM_NAMES)
+    assert all((c.T, c.N, c.H, c.HV, c.pool) == (1, 1, 16, 16, "fp32") for c in sel)
+    assert {c.form.name for c in bd.decode_cases(["varlen-kfirst"])} == {"varlen-kfirst"}
+    with pytest.raises(ValueError, match="unknown decode form 'nope'"):
+        bd.decode_cases(["nope"])
+
+
+def test_tools_take_the_batch_vfirst_form_unless_a_form_is_named():
+    assert {c.form.name for c in bd.select_cases(["T1 N256 "])} == {"batch-vfirst"}
+    assert len(bd.select_cases(["T1 N256 "])) == 6  # 3 head configurations x 2 pools
+    assert [c.name for c in bd.select_cases(["T4 N32 H16 bf16 spare-slots"])] == ["decode T4 N32 H16 bf16 spare-slots"]
+
+
+def test_pool_sizes_and_state_bytes():
+    dense = small_case("batch-kfirst", "fp32", T=4)
+    assert dense.pool_slots == dense.touched_slots == 12
+    assert dense.state_bytes == 3 * 4 * 128 * 128 * 4 * (1 + 4)
+    spare = small_case("spare-slots", "bf16", T=4)
+    assert spare.pool_slots == 4 * 12
+    big = bd.DecodeCase(bd.form_by_name("spare-slots"), "fp32", torch.float32, 4, 32, 32, 1024)
+    assert big.touched_slots < big.pool_slots and big.pool_slots * big.slot_bytes <= bd.SPARE_POOL_CAP_BYTES
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("form", bd.FORM_NAMES)
+def test_inputs_of_every_form(form, T):
+    case = small_case(form, T=T)
+    f = case.form
+    x, nbytes = bd.decode_inputs(case, "cpu")
+    assert nbytes == case.state_bytes
+    lead = (1, 3 * T) if f.varlen else (3, T)
+    assert x["q"].shape == x["k"].shape == lead + (2, 128) and x["q"].dtype == torch.bfloat16
+    assert x["v"].shape == x["out"].shape == lead + (4, 128)
+    assert x["g"].shape == lead + (4, 128) and x["beta"].shape == lead + (4,)
+    if f.pregated:
+        assert x["g"].dtype == x["beta"].dtype == torch.float32
+        assert (x["g"] < 0).all() and ((x["beta"] > 0) & (x["beta"] < 1)).all()
+        assert x["A_log"] is None and x["dt_bias"] is None
+    else:
+        assert x["g"].dtype == x["beta"].dtype == torch.bfloat16
+        assert x["A_log"].shape == (4,) and x["dt_bias"].shape == (4 * 128,)
+    assert x["pool"].shape == (case.pool_slots, 4, 128, 128) and x["pool"].dtype == torch.bfloat16
+    ids = x["idx"]
+    assert ids.dtype == f.index_dtype and ids.shape == ((3,) if T == 1 else (3, T))
+    flat = ids.reshape(-1).tolist()
+    assert len(set(flat)) == len(flat) and all(0 <= i < case.pool_slots for i in flat)
+    if T == 1:
+        assert x["acc"] is None
+    else:
+        assert x["acc"].dtype == torch.int32 and ((x["acc"] >= 1) & (x["acc"] <= T)).all()
+    if f.varlen:
+        assert x["cu"].dtype == torch.int32 and x["cu"].tolist() == list(range(0, 3 * T + 1, T))
+    else:
+        assert x["cu"] is None
+    kw = bd.decode_kwargs(x)
+    assert kw["state_v_first"] is f.v_first and kw["inplace_final_state"] is True
+    assert kw["use_gate_in_kernel"] is (not f.pregated) and kw["use_beta_sigmoid_in_kernel"] is (not f.pregated)
+    assert kw["lower_bound"] == (None if f.pregated else bd.LOWER_BOUND)
+
+
+def fixed_timer(times):
+    """A stand-in for kdakit.bench.time_ms: runs the call once, returns the next of `times` (ms)."""
+    it = iter(times)
+
+    def timer(fn, reps, flush):
+        fn()
+        return next(it)
+    return timer
+
+
+@pytest.mark.parametrize("form", bd.FORM_NAMES)
+def test_row_through_kdakit_cpu(form):
+    """The row's calls run kdakit's CPU decode from the same start for both 'libraries' (here kdakit twice): the
+    outputs and updated slots agree exactly, the slots the call does not touch are unchanged."""
+    case = small_case(form, "fp32", T=4, N=2)
+    spare_before = {}
+
+    def peer(x):  # records the untouched slots' start, then runs the same call
+        touched = set(x["idx"].reshape(-1).tolist())
+        for s in range(x["pool"].shape[0]):
+            if s not in touched:
+                spare_before.setdefault(s, x["pool"][s].clone())
+        out = bd.run_kdakit_decode(x)
+        for s, before in spare_before.items():
+            assert torch.equal(x["pool"][s], before)
+        return out
+
+    row = bd.bench_row(case, timer=fixed_timer([0.02, 0.01]), reps=1, bw=1e12, flush=None, fla=peer, device="cpu")
+    assert row["kdakit_error"] is None and row["fla_error"] is None
+    assert row["diff_out"] == 0.0 and row["diff_state"] == 0.0
+    assert row["fla_us"] == pytest.approx(20.0) and row["kdakit_us"] == pytest.approx(10.0)  # FLA is timed first
+    assert row["kdakit_bw"] == pytest.approx(case.state_bytes / 10e-6 / 1e12)
+    assert row["met"] is True and row["verdict"] == "yes"
+    json.dumps(row)  # the JSON record
+
+
+def test_row_flags_differences_and_errors():
+    case = small_case("varlen-vfirst", T=1)
+
+    def off_by_one_slot(x):  # right outputs, one updated slot wrong
+        bd.run_kdakit_decode(x)
+        x["pool"][int(x["idx"][0])] += 1.0
+
+    row = bd.bench_row(case, timer=fixed_timer([0.02, 0.01]), reps=1, bw=1e12, flush=None, fla=off_by_one_slot,
+                       device="cpu")
+    assert row["diff_out"] == 0.0 and row["diff_state"] > bd.DIFF_FLAG
+    assert row["met"] is False and "differs from FLA" in row["verdict"]
+
+    def raises(x):
+        raise ValueError("g: float32 is not accepted")
+
+    row = bd.bench_row(case, timer=fixed_timer([0.01]), reps=1, bw=1e12, flush=None, fla=raises, device="cpu")
+    assert row["fla_error"] == "ValueError: g: float32 is not accepted" and row["fla_us"] is None
+    assert row["kdakit_us"] == pytest.approx(10.0) and row["met"] is None and row["verdict"] == "FLA did not run"
+
+    class Broken:
+        @staticmethod
+        def fused_recurrent_kda_fwd(*args, **kwargs):
+            raise RuntimeError("no kernel for this form")
+
+    row = bd.bench_row(case, timer=fixed_timer([0.02]), reps=1, bw=1e12, flush=None, fla=bd.run_kdakit_decode,
+                       lib=Broken, device="cpu")
+    assert row["kdakit_error"] == "RuntimeError: no kernel for this form" and row["fla_us"] == pytest.approx(20.0)
+    assert row["met"] is False and row["verdict"] == "no: kdakit did not run"
+
+
+def test_run_stops_when_the_cuda_context_is_lost(monkeypatch):
+    cases = [small_case("batch-vfirst", N=n) for n in (1, 2, 3)]
+    calls = []
+
+    def inputs(case, device):
+        calls.append(case.N)
+        if case.N == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")  # the row fails, the run goes on
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(bd, "decode_inputs", inputs)
+    lines = []
+    rows = bd.run_rows(cases, timer=fixed_timer([]), reps=1, bw=1e12, flush=None, device="cpu", log=lines.append)
+    assert calls == [1, 2] and len(rows) == 2
+    assert rows[0]["verdict"] == "row not run: OutOfMemoryError: CUDA out of memory" and rows[0]["met"] is False
+    assert rows[1]["kdakit_error"].startswith("row not run: RuntimeError: CUDA error")
+    assert "the CUDA context is lost" in lines[-1]
+
+
+def test_verdicts():
+    base = dict(N=256, kdakit_us=10.0, fla_us=12.0, kdakit_bw=0.9, diff_out=1e-3, diff_state=1e-3, fla_error=None)
+    assert bd.verdict(base) == (True, "yes")
+    assert bd.verdict({**base, "kdakit_bw": 0.8}) == (False, "no: 80% < 85% of copy BW")
+    assert bd.verdict({**base, "N": 32, "kdakit_bw": 0.1}) == (True, "yes")  # the bandwidth goal starts at N = 256
+    assert bd.verdict({**base, "kdakit_us": 12.0}) == (False, "no: not faster than FLA")
+    assert bd.verdict({**base, "diff_out": float("nan")}) == (False, "no: differs from FLA")
+    assert bd.verdict({**base, "fla_us": None}) == (None, "no FLA; bandwidth met")
+
+
+def test_tables_and_cli_listing(capsys):
+    rows = [dict(name=c.name, form=c.form.name, pool=c.pool, T=c.T, H=c.H, HV=c.HV, N=c.N, slots=c.pool_slots,
+                 state_mb=c.state_bytes / 1e6, kdakit_us=10.0, fla_us=None if c.N == 1 else 20.0, kdakit_bw=0.9,
+                 fla_bw=None if c.N == 1 else 0.45, diff_out=None if c.N == 1 else 1e-3, diff_state=1e-3,
+                 kdakit_error=None, fla_error="E: x" if c.N == 1 else None, met=c.N != 1, verdict="v")
+            for c in bd.decode_cases(["batch-vfirst", "pregated-fp32"], ["T1 N1 H16", "T4 N256 H32 bf16"])]
+    table = bd.decode_table(rows).splitlines()
+    assert len(table) == 2 + len(rows) == 8
+    assert all(line.count("|") == 13 for line in table)
+    assert table[4].startswith("| batch-vfirst | T4 N256 H32 bf16 | 1024 | ")
+    summary = bd.form_summary(rows).splitlines()
+    assert summary[2] == "| batch-vfirst | 1/3 | 90% | 0.50 | 0.50 | 2 |"
+    assert bd.errors_list(rows).count("fla: E: x") == 4
+    assert bench.main(["--list", "--only", "decode T4 N1024", "--forms", "spare-slots"]) == 0
+    out = capsys.readouterr().out
+    assert "decode T4 N1024 H32 fp32 spare-slots  (pool slots 8192" in out and "0 forward rows, 6 decode rows" in out
+
+
+def load_fla_suite():
+    spec = importlib.util.spec_from_file_location("fla_suite", ROOT / "tools" / "gpu" / "fla_suite.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+HEAD = ("import torch\n\nfrom fla.ops.kda import chunk_kda, fused_recurrent_kda\n"
+        "from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd\n"
+        "from fla.ops.kda.naive import naive_recurrent_kda\n")
+
+
+def test_fla_suite_rewrites_exactly_the_kda_imports(tmp_path):
+    fs = load_fla_suite()
+    new = fs.rewrite(HEAD)
+    assert new == ("import torch\n\nfrom kdakit import chunk_kda, fused_recurrent_kda\n"
+                   "from kdakit import fused_recurrent_kda_fwd\nfrom fla.ops.kda.naive import naive_recurrent_kda\n")
+    with pytest.raises(SystemExit, match="found it 0 times"):
+        fs.rewrite(HEAD.replace("from fla.ops.kda import", "from fla.ops.kda.chunk import"))
+    with pytest.raises(SystemExit, match="still imported"):
+        fs.rewrite(HEAD + "from fla.ops.kda.chunk import chunk_kda\n")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "test_kda.py").write_text(HEAD)
+    (src / "conftest.py").write_text("# FLA's\n")
+    fs.prepare(src, tmp_path / "work", tmp_path / "out")
+    assert (tmp_path / "work" / "tests" / "ops" / "test_kda.py").read_text() == new
+    assert (tmp_path / "work" / "tests" / "conftest.py").is_file()
+    diff = (tmp_path / "out" / "fla_suite.diff").read_text()
+    assert diff.count("\n-from fla") == 2 and diff.count("\n+from kdakit") == 2
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.ops.test_kda" name="test_fused_recurrent_state_v_first[B1]"/>
+<testcase classname="tests.ops.test_kda" name="test_chunk[B2-fp16]"><failure message="NotImplementedError: chunk_kda:
+ the CUDA backward is not implemented yet; run the forward under torch.no_grad()">tb</failure></testcase>
+<testcase classname="tests.ops.test_kda" name="test_fused_recurrent[B1]"><failure message="kdakit.InvalidArgumentError:
+ fused_recurrent_kda: has no backward">tb</failure></testcase>
+<testcase classname="tests.ops.test_kda" name="test_fused_recurrent[B1]"><error message="failed on teardown">t</error>
+</testcase>
+<testcase classname="tests.ops.test_kda" name="test_gate[B1]"><failure message="AssertionError: dg">tb</failure>
+</testcase>
+<testcase classname="tests.ops.test_kda" name="test_fused_recurrent_vllm_decode[B7]"><skipped message="needs CUDA"/>
+</testcase></testsuite></testsuites>"""
+
+
+def test_fla_suite_summary_groups_failures(tmp_path, capsys):
+    fs = load_fla_suite()
+    (tmp_path / "j.xml").write_text(JUNIT)
+    (tmp_path / "log").write_text("== 3 failed, 1 passed, 1 skipped, 7 deselected in 9.0s ==\n")
+    assert fs.summary(tmp_path / "j.xml", tmp_path / "log", tmp_path, "bc3b101dcb71") == 1
+    res = json.loads((tmp_path / "fla_suite.json").read_text())
+    assert res["counts"] == dict(passed=1, failed=3, error=0, skipped=1) and res["deselected"] == 7
+    assert [r["id"] for r in res["groups"]["backward"]] == ["test_chunk[B2-fp16]"]
+    assert [r["id"] for r in res["groups"]["other"]] == ["test_fused_recurrent[B1]"]
+    assert "has no backward" in res["groups"]["other"][0]["message"]
+    assert [r["id"] for r in res["groups"]["fla-only"]] == ["test_gate[B1]"]
+    assert "**1 passed, 3 failed, 0 errors, 1 skipped, 7 deselected**" in capsys.readouterr().out
+    # Only backward failures (and FLA-only ones): exit status 0.
+    (tmp_path / "j.xml").write_text(JUNIT.replace("test_fused_recurrent[B1]", "test_chunk_varlen[x]").replace(
+        "fused_recurrent_kda: has no backward", "the CUDA backward is not implemented"))
+    assert fs.summary(tmp_path / "j.xml", tmp_path / "log", tmp_path) == 0
+
+
+def test_fla_suite_reads_a_cut_short_log(tmp_path):
+    fs = load_fla_suite()
+    (tmp_path / "log").write_text(
+        "tests/ops/test_kda.py::test_chunk_varlen[H4-cu_seqlens[0, 15]-fp16] PASSED [ 1%]\n"
+        "tests/ops/test_kda.py::test_chunk[B1] FAILED [ 2%]\n")
+    rows = fs.results_from_log(tmp_path / "log")
+    assert [(r["id"], r["outcome"]) for r in rows] == [("test_chunk_varlen[H4-cu_seqlens[0, 15]-fp16]", "passed"),
+                                                       ("test_chunk[B1]", "failed")]
+    assert "not test_flash_kda_chunk" in fs.deselect_expr()
