@@ -33,11 +33,11 @@ struct ForwardCase {
     p.state.final_state = device_view(DType::kFloat32, {B, hv, K, V});
     p.out = device_view(dtype, {B, T, hv, V});
   }
-  // Varlen with the lengths known on the host (cu_seqlens_cpu).
-  explicit ForwardCase(const std::vector<int64_t>& lens, int64_t H, bool host_lengths = true)
-      : x(1, total(lens), H, H, 128, 128, DType::kBFloat16, static_cast<int64_t>(lens.size())) {
+  // Varlen with the lengths known on the host (cu_seqlens_cpu), then `tail` padding tokens past the last sequence.
+  explicit ForwardCase(const std::vector<int64_t>& lens, int64_t H, bool host_lengths = true, int64_t tail = 0)
+      : x(1, total(lens) + tail, H, H, 128, 128, DType::kBFloat16, static_cast<int64_t>(lens.size())) {
     p.in = x.in;
-    const int64_t N = static_cast<int64_t>(lens.size()), T = total(lens);
+    const int64_t N = static_cast<int64_t>(lens.size()), T = total(lens) + tail;
     cu_host.assign(1, 0);
     for (const int64_t l : lens) cu_host.push_back(cu_host.back() + l);
     if (host_lengths) p.in.cu_seqlens_host = make_view(cu_host.data(), DType::kInt64, {N + 1});
@@ -251,21 +251,19 @@ TEST(ForwardPlan, RejectsInputDtypesTheKernelsDoNotTake) {
 // The padded token tail of a varlen batch (CUDA-graph batches: tokens past cu_seqlens[N]) gets prepare CTAs that zero
 // its output rows; the workspace holds only the real chunks.
 TEST(ForwardPlan, PaddedTokenTailGetsZeroingCtas) {
-  ForwardCase c({100, 30, 0, 270}, 8);
-  detail::Plan plan = detail::plan_forward(c.p);
-  const ForwardLaunch f0 = cuda::plan_forward_launch(c.p, plan, kH200, Tuning());
+  const std::vector<int64_t> lens = {100, 30, 0, 270};
+  const ForwardLaunch f0 = ForwardCase(lens, 8).plan();
   EXPECT_EQ(f0.slots, 2 + 1 + 0 + 5);
   EXPECT_EQ(f0.tail_slots, 0);
-  // The same sequences in a batch padded to 400 + 150 tokens (the plan as validation makes it for such a call).
-  plan.pr.T += 150;
-  const ForwardLaunch f = cuda::plan_forward_launch(c.p, plan, kH200, Tuning());
+  // The same sequences in a batch padded by 150 tokens.
+  const ForwardCase c(lens, 8, /*host_lengths=*/true, 150);
+  const ForwardLaunch f = c.plan();
   EXPECT_EQ(f.slots, f0.slots);
   EXPECT_EQ(f.tail_slots, 3);  // ceil(150 / 64)
   EXPECT_EQ(f.total, f0.total) << "the tail needs no workspace";
-  plan.pr.T += 42;  // a tail of 192 tokens: three CTAs of 64 rows
-  EXPECT_EQ(cuda::plan_forward_launch(c.p, plan, kH200, Tuning()).tail_slots, 3);
-  plan.pr.T += 1;
-  EXPECT_EQ(cuda::plan_forward_launch(c.p, plan, kH200, Tuning()).tail_slots, 4);
+  expect_workspace_layout(f, c.p, detail::plan_forward(c.p).pr);
+  EXPECT_EQ(ForwardCase(lens, 8, true, 192).plan().tail_slots, 3);  // three CTAs of 64 rows
+  EXPECT_EQ(ForwardCase(lens, 8, true, 193).plan().tail_slots, 4);
 }
 
 // Without host lengths the prepare grid is the bound ceil(T / C) + N of the chunks; the CTAs it has past the real
@@ -275,11 +273,9 @@ TEST(ForwardPlan, ChunkBoundCoversThePaddedTail) {
     for (const std::vector<int64_t>& lens : std::vector<std::vector<int64_t>>{
              {1}, {0, 0, 0}, {63, 65, 1, 127}, {64, 64}, {3000, 1, 2, 5}, {31, 33, 95, 0, 7}}) {
       for (const int64_t tail : {0, 1, 31, 32, 63, 64, 65, 1000}) {
-        ForwardCase c(lens, 8, /*host_lengths=*/false);
+        ForwardCase c(lens, 8, /*host_lengths=*/false, tail);
         c.p.chunk_size = static_cast<int>(C);
-        detail::Plan plan = detail::plan_forward(c.p);
-        plan.pr.T += tail;  // the device-side boundaries end before T
-        const ForwardLaunch f = cuda::plan_forward_launch(c.p, plan, kH200, Tuning());
+        const ForwardLaunch f = c.plan();
         int64_t chunks = 0;
         for (const int64_t l : lens) chunks += (l + C - 1) / C;
         EXPECT_EQ(f.tail_slots, 0);

@@ -13,9 +13,7 @@ Tolerances are those of spec §6.1: 4e-3 for 16-bit q, k, v, 1e-4 for float32 on
 adds no rounding).
 
 Run on a GPU machine: ``python tests/python/cuda/check_forward_forms.py`` (prints each case, exits 1 on a failure),
-or ``pytest tests/python/cuda/check_forward_forms.py``. The pad_slot_id cases need the binding's
-``StateIO.pad_slot_id``; the padding cases need validation that accepts index rows past N and tokens past
-cu_seqlens[N].
+or ``pytest tests/python/cuda/check_forward_forms.py``.
 """
 import os
 import sys
@@ -35,7 +33,6 @@ pytestmark = pytest.mark.skipif(not kdakit.cuda_available(),
                                 reason="no CUDA device, or kdakit was built without CUDA kernels")
 
 TOL = {torch.bfloat16: 4e-3, torch.float16: 4e-3, torch.float32: 1e-4}
-HAS_PAD_SLOT_ID = hasattr(_C.ForwardParams().state, "pad_slot_id")
 
 
 def inputs(T, H, HV, K, V, *, dtype=torch.bfloat16, g_dtype=torch.float32, beta_dtype=torch.float32, gate="pre",
@@ -73,9 +70,7 @@ def cuda_forward(x, *, cu, cu_cpu=None, pool=None, indices=None, has_initial=Non
     lb = lower_bound_of(x)
     _C.set_inputs(p.inputs, q, k, v, x["g"], x["beta"], x.get("A_log"), x.get("dt_bias"), cu, cu_cpu, K ** -0.5,
                   gate_mode(x["gate"] != "pre", lb), -5.0 if lb is None else lb, True, x["beta_logits"], False)
-    _C.set_state(p.state, v_first, pool, pool, indices, has_initial)
-    if pad_slot_id is not None:
-        p.state.pad_slot_id = pad_slot_id
+    _C.set_state(p.state, v_first, pool, pool, indices, has_initial, -1 if pad_slot_id is None else pad_slot_id)
     p.chunk_size = chunk_size
     out = torch.full(v.shape, float("nan"), device=q.device, dtype=q.dtype)
     p.out = view(out)
@@ -278,7 +273,6 @@ def test_padding_slot_minus_one_and_a_padded_tail(host_cu, v_first):
                     has_initial=[1, 1, 1, 0, 1], v_first=v_first)
 
 
-@pytest.mark.skipif(not HAS_PAD_SLOT_ID, reason="the binding has no StateIO.pad_slot_id yet")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_padding_pad_slot_id_zero(dtype):
     """vLLM's NULL_BLOCK_ID: slot 0 means padding (nothing read or written there, zero outputs)."""

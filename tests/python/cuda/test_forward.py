@@ -168,6 +168,8 @@ def test_determinism_and_batch_invariance():
 
 
 def test_outputs_fully_written_and_pool_slots_untouched():
+    """Every output row is written (NaN-poisoned out); slot -1 is padding (spec §1.7): zero output rows, no state read
+    or written for it; the pool slots no sequence owns stay untouched."""
     x = make(1, 0, 2, 4, 64, cu=[0, 50, 51, 300], h0=False)
     pool = torch.randn(9, 4, 64, 64, device="cuda")
     before = pool.clone()
@@ -180,8 +182,8 @@ def test_outputs_fully_written_and_pool_slots_untouched():
     assert o is out and torch.isfinite(out).all()
     ref_h0 = torch.stack([before[7], torch.zeros_like(before[0]), before[2]])
     ro, rht = reference(dict(x, h0=ref_h0))
-    ro[:, 50:51] = 0  # sequence 1 (slot -1) is padding: zero outputs (spec §1.7)
-    assert torch.equal(out[:, 50:51], torch.zeros_like(out[:, 50:51]))
+    ro[:, 50:51] = 0  # sequence 1 (slot -1) is padding
+    assert torch.equal(out[:, 50:51], torch.zeros_like(out[:, 50:51])), "padding sequence: outputs not zero"
     assert rel_rms(out, ro) <= 4e-3
     assert rel_rms(pool[7], rht[0]) <= 4e-3 and rel_rms(pool[2], rht[2]) <= 4e-3
     for s in (0, 1, 3, 4, 5, 6, 8):
