@@ -8,7 +8,8 @@
 #   .deps/cutlass/include/  CUTLASS / CuTe headers for the Hopper kernels (exported as KDAKIT_CUTLASS_DIR)
 #   .deps/googletest/       GoogleTest sources (e.g. a copy of Debian's /usr/src/googletest)
 #   .deps/wheels/           peer wheels for side-by-side tests and benchmarks (flash-linear-attention, fla-core)
-# KDAKIT_QUICK=1: Python tests only (no C++ tests; arguments go to pytest).
+# KDAKIT_QUICK=1: Python tests only (no C++ tests; arguments go to pytest). KDAKIT_BENCH_ARGS: arguments of the
+# benchmark (e.g. "--forms batch-vfirst": the whole decode matrix takes minutes; tools/gpu/run bench runs it alone).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 if [[ -z ${KDAKIT_CUTLASS_DIR:-} && -d .deps/cutlass/include ]]; then
@@ -62,7 +63,8 @@ if [[ $SANITIZE == 1 && -f tools/gpu/sanitize.sh ]]; then
   step sanitize sanitize.log tools/gpu/sanitize.sh
 fi
 if [[ $BENCH == 1 ]]; then
-  step bench bench.log python3 -m kdakit.bench --out "$OUT"
+  # shellcheck disable=SC2086  # KDAKIT_BENCH_ARGS is a list of words
+  step bench bench.log python3 -m kdakit.bench --out "$OUT" ${KDAKIT_BENCH_ARGS:-}
 fi
 
 echo
