@@ -16,8 +16,7 @@ call's device and rejects with a reason otherwise (FLA logs it once and runs its
   CUDA backward is not implemented yet; FLA's Triton path trains);
 - no `cp_context`, no `use_graph` (FLA's capture-friendly chunk lists), no keyword FLA would swallow;
 - q and k of one dtype, `1 <= K, V <= 256`, `HV % H == 0`, `chunk_size` 32 or 64; on CUDA q, k, v of one dtype in
-  {bf16, fp16, fp32}, g in q's dtype for `chunk_kda` (any of the three for decode), beta, A_log and dt_bias in one
-  of the three; states in fp32 or bf16;
+  {bf16, fp16, fp32} and g, beta, A_log, dt_bias each in one of the three (spec §5.2); states in fp32 or bf16;
 - `fused_recurrent_kda_fwd`: `A_log` present for the softplus gate (FLA silently uses A_log = 1 otherwise),
   `num_accepted_tokens` only with 2-D slot indices.
 
@@ -54,9 +53,8 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _check_common(q, k, v, g, beta, extra, states, *, g_own_dtype) -> Optional[str]:
-    """The reason kdakit cannot serve these tensors on their device, or None. `g_own_dtype`: the CUDA kernels of
-    the op read g in its own float dtype (decode) rather than q's (the chunked forward, for now)."""
+def _check_common(q, k, v, g, beta, extra, states) -> Optional[str]:
+    """The reason kdakit cannot serve these tensors on their device, or None."""
     dev = q.device.type
     if dev == "cuda":
         if not kdakit.cuda_available():
@@ -75,10 +73,8 @@ def _check_common(q, k, v, g, beta, extra, states, *, g_own_dtype) -> Optional[s
     if dev == "cuda":
         if q.dtype not in _FLOATS_CUDA or v.dtype != q.dtype:
             return f"kdakit's CUDA kernels take q, k, v of one dtype in bf16/fp16/fp32, got {q.dtype}, {v.dtype}"
-        if g.dtype != q.dtype and not (g_own_dtype and g.dtype in _FLOATS_CUDA):
-            return f"g must have q's dtype {q.dtype} in this op on CUDA, got {g.dtype}"
-        if any(t is not None and t.dtype not in _FLOATS_CUDA for t in (beta, *extra)):
-            return "kdakit's CUDA kernels take beta, A_log and dt_bias in bf16/fp16/fp32"
+        if any(t is not None and t.dtype not in _FLOATS_CUDA for t in (g, beta, *extra)):
+            return "kdakit's CUDA kernels take g, beta, A_log and dt_bias in bf16/fp16/fp32"
     for name, s in states:
         if s is not None and s.dtype not in _STATE_DTYPES and not (dev == "cpu" and s.dtype == torch.float64):
             return f"{name} must be fp32 or bf16, got {s.dtype}"
@@ -102,8 +98,7 @@ def _verify_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final
     A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
     if q.device.type == "cuda" and _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
         return False, "kdakit's CUDA backward is not implemented yet (the forward is served under no_grad)"
-    reason = _check_common(q, k, v, g, beta, (A_log, dt_bias), (("initial_state", initial_state),),
-                           g_own_dtype=False)
+    reason = _check_common(q, k, v, g, beta, (A_log, dt_bias), (("initial_state", initial_state),))
     return (False, reason) if reason else (True, None)
 
 
@@ -133,8 +128,7 @@ def _verify_recurrent(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=
         return False, "softplus gate without A_log (FLA's kernel then uses A_log = 1; kdakit requires A_log)"
     if num_accepted_tokens is not None and (ssm_state_indices is None or ssm_state_indices.dim() != 2):
         return False, "num_accepted_tokens is served with 2-D ssm_state_indices only"
-    reason = _check_common(q, k, v, g, beta, (A_log, dt_bias), (("initial_state", initial_state),),
-                           g_own_dtype=True)
+    reason = _check_common(q, k, v, g, beta, (A_log, dt_bias), (("initial_state", initial_state),))
     return (False, reason) if reason else (True, None)
 
 

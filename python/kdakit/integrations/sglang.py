@@ -77,11 +77,7 @@ def chunk_kda(
                 state_v_first=True, cu_seqlens=cu_seqlens, **gate, **state)
     if not output_intermediate_states:
         return _chunk_kda(q, k, v, g, beta, **call)[0]
-    # Intermediate states are an inference-only output in kdakit; the serving call is forward-only anyway. The
-    # output goes to a buffer made outside inference mode, so that o stays an ordinary tensor.
-    out = q.new_empty(v.shape)
-    with torch.inference_mode():
-        o, _, h = _chunk_kda(q, k, v, g, beta, return_intermediate_states=True, out=out, **call)
+    o, _, h = _chunk_kda(q, k, v, g, beta, return_intermediate_states=True, **call)
     return o, h
 
 

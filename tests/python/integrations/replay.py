@@ -3,8 +3,6 @@ dtypes, the float64 references (kdakit.naive_recurrent_kda) for pools read and w
 tolerances of spec §6.1."""
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,31 +12,6 @@ from conftest import assert_close
 
 NO_CUDA = "no CUDA device, or kdakit was built without CUDA kernels"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not kdakit.cuda_available(), reason=NO_CUDA))]
-
-# The serving padding contract (include/kdakit/params.h, StateIO::pad_slot_id) in the Python API: the vLLM
-# adapter's decode passes pad_slot_id = NULL_BLOCK_ID.
-needs_pad_slot_id = pytest.mark.skipif(
-    "pad_slot_id" not in inspect.signature(kdakit.fused_recurrent_kda_fwd).parameters,
-    reason="this kdakit's fused_recurrent_kda_fwd has no pad_slot_id keyword yet")
-
-
-def _core_accepts(call) -> bool:
-    try:
-        with torch.enable_grad():
-            call(*[torch.rand(1, 2, 1, 8) for _ in range(4)], torch.rand(1, 2, 1))
-        return True
-    except (kdakit.InvalidArgumentError, NotImplementedError):
-        return False
-
-
-# q/k/v views whose last dimension is strided (HF's split of the convolved projection) are copied by the core.
-needs_strided_inputs = pytest.mark.skipif(
-    not _core_accepts(lambda q, k, v, g, b: kdakit.chunk_kda(torch.rand(1, 2, 1, 16)[..., ::2], k, v, g, b)),
-    reason="this kdakit rejects q/k/v whose last dimension is not contiguous")
-# Forward-only entry points run (and return the forward) when inputs require grad.
-needs_forward_under_grad = pytest.mark.skipif(
-    not _core_accepts(lambda q, k, v, g, b: kdakit.fused_recurrent_kda(q, k, v, g.requires_grad_(), b)),
-    reason="this kdakit's fused_recurrent_kda rejects inputs that require grad")
 
 
 def tol(dtype: torch.dtype, device: str) -> float:

@@ -19,7 +19,7 @@ import torch
 import kdakit
 import naive
 from conftest import assert_close
-from replay import DEVICES, make, needs_forward_under_grad, out_tol, reference, tol
+from replay import DEVICES, make, out_tol, reference, tol
 
 H, HV, K = 2, 4, 32
 
@@ -72,7 +72,7 @@ def test_layer_train_chunk(seed, device, safe_gate, lower_bound, neg):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("grad_mode", ["no_grad", pytest.param("enabled", marks=needs_forward_under_grad)])
+@pytest.mark.parametrize("grad_mode", ["no_grad", "enabled"])
 def test_layer_eval_recurrent(seed, device, grad_mode):
     """Eval with q_len <= 64: `fused_recurrent_kda(...)` with the cache's state (fp32 v-first) and
     output_final_state=use_cache, bf16 raw g and beta. FLA 0.5.2 makes this call in grad mode too."""

@@ -15,7 +15,7 @@ import kdakit
 import naive
 from conftest import assert_close
 from kdakit.integrations import hf
-from replay import DEVICES, needs_forward_under_grad, needs_strided_inputs, out_tol, reference, tol
+from replay import DEVICES, out_tol, reference, tol
 
 B, H, D = 2, 2, 32  # Kimi Linear: HV = H, K = V = head_dim
 
@@ -43,7 +43,6 @@ def _as_x(q, k, v, g, beta, cu=None):
     return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=None, dt_bias=None, cu=cu)
 
 
-@needs_strided_inputs
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,beta_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
                                               (torch.float32, torch.float32)])
@@ -61,7 +60,7 @@ def test_prefill(seed, device, dtype, beta_dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("grad_mode", ["no_grad", pytest.param("enabled", marks=needs_forward_under_grad)])
+@pytest.mark.parametrize("grad_mode", ["no_grad", "enabled"])
 def test_decode(seed, device, grad_mode):
     """One token with the cache's fp32 state [B, H, K, V]; the views of a [B, C, 1] update are contiguous.
     Generation runs under no_grad; a forward with a cache outside it passes inputs that require grad."""
@@ -90,7 +89,6 @@ def _training_step(device, packed):
     return o, (mixed, gate_in, b), A_log, kwargs.get("cu_seq_lens_q")
 
 
-@needs_strided_inputs
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("packed", [False, True])
 def test_training(seed, device, packed):
@@ -138,7 +136,6 @@ def _kimi_linear_module():
     return modeling_kimi_linear, configuration_kimi_linear
 
 
-@needs_strided_inputs
 def test_enable_swaps_the_model_functions(seed, monkeypatch):
     """The real KimiLinearDeltaAttention (when transformers is importable) runs its prefill through kdakit after
     `hf.enable()`: the arguments the layer passes give the reference's output, and its gradients flow."""

@@ -19,7 +19,7 @@ import torch
 import kdakit
 from conftest import assert_close
 from kdakit.integrations import sglang
-from replay import (DEVICES, check_pool, make, needs_pad_slot_id, out_tol, pool, pool_reference, reference, tol,
+from replay import (DEVICES, check_pool, make, out_tol, pool, pool_reference, reference, tol,
                     token_states_reference)
 
 H, HV, K = 2, 4, 32  # GVA: SGLang's kernels take HV a multiple of H
@@ -102,7 +102,6 @@ def test_decode(seed, device, a_form):
     check_pool("ssm_states", ssm_states, pool_ref, slots, device)
 
 
-@needs_pad_slot_id
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_cuda_graph_padding(seed, device):
     """The CUDA-graph batch: 3 requests padded to 8 with cache_indices -1 (one dummy token each). The padded

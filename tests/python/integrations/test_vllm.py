@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import kdakit
 from conftest import assert_close
 from kdakit.integrations import vllm
-from replay import (DEVICES, check_pool, make, needs_pad_slot_id, out_tol, pool, pool_reference, reference, tol,
+from replay import (DEVICES, check_pool, make, out_tol, pool, pool_reference, reference, tol,
                     token_states_reference)
 
 H, K = 2, 32
@@ -100,7 +100,6 @@ def _decode_batch(device, N, pad_to=None, pad_value=None, state_dtype=torch.floa
     return x, g1, pool(P, H, K, dtype=state_dtype, device=device), idx, qsl, slots
 
 
-@needs_pad_slot_id
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_decode(seed, device, state_dtype):
@@ -119,7 +118,6 @@ def test_decode(seed, device, state_dtype):
     check_pool("pool", recurrent_state, pool_ref, slots, device)
 
 
-@needs_pad_slot_id
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pad_value", [-1, vllm.NULL_BLOCK_ID])
 def test_full_cudagraph_decode(seed, device, pad_value):
@@ -157,7 +155,6 @@ def _spec_batch(device, N, S, pad_to, state_dtype, pad_value):
         acc.to(device)
 
 
-@needs_pad_slot_id
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inplace,pad_value", [(True, -1), (True, vllm.NULL_BLOCK_ID), (False, vllm.NULL_BLOCK_ID)])
@@ -190,7 +187,6 @@ def test_spec_decode_verify(seed, device, state_dtype, inplace, pad_value):
         assert_close("token states", per_token, states, tol(state_dtype, device))
 
 
-@needs_pad_slot_id
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_compute_gate(seed, device):
     """The vendored `fused_recurrent_kda` @ 933876c3 with the gate and the beta sigmoid in kernel: raw g, beta logits,
@@ -213,7 +209,6 @@ def test_decode_compute_gate(seed, device):
     check_pool("pool", recurrent_state, pool_ref, slots, device)
 
 
-@needs_pad_slot_id
 @pytest.mark.parametrize("device", DEVICES)
 def test_null_block_slot_is_padding(seed, device):
     """The contract of vLLM's decode kernel (fused_recurrent.py @ 5c7cb312: `if state_idx <= 0: return`): a sequence
