@@ -26,11 +26,11 @@ if [[ $mode == summary ]]; then
            selected dispatch_stall no_instruction tex_throttle imc_miss branch_resolving membar; do
     stalls+="smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio,"
   done
-  ncu --clock-control none -k regex:"prepare|recurrence|decode_kernel" -c 2 \
+  ncu --clock-control none -k regex:"prepare|recurrence|decode_(one_)?kernel" -c 2 \
       --section SpeedOfLight --section Occupancy --metrics "${stalls}smsp__inst_executed.sum" \
       python3 tools/gpu/ncu.py case "$row" 2>&1 \
     | grep -vE "^==PROF==|^    ---|^$" \
-    | grep -E "prepare|recurrence|decode_kernel|Duration|Throughput|Occupancy|Registers|stalled|inst_executed" | head -80
+    | grep -E "prepare|recurrence|decode_(one_)?kernel|Duration|Throughput|Occupancy|Registers|stalled|inst_executed" | head -80
   exit 0
 fi
 

@@ -61,6 +61,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
             bes = a.beta.dtype == DType::kFloat32 ? 4 : 2;
   const DecodeSmem lay(KP, tb, bvt,
                        stage_state ? decode_staged_bytes(KP, int(sizeof(PoolT)), nthreads, passes) : 0);
+  // The key rows: raw inputs in key order, widened in place into the threads' read order (key_pos).
   float* sQ = reinterpret_cast<float*>(smem + lay.q);     // [tb][KP] q * scale / |q|
   float* sK = reinterpret_cast<float*>(smem + lay.k);     // [tb][KP] k / |k|
   float* sA = reinterpret_cast<float*>(smem + lay.a);     // [tb][KP] exp(gate)
@@ -289,8 +290,8 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
             __syncwarp();  // every lane has read its raw values
 #pragma unroll
             for (int i = 0; i < KL; ++i) {
-              q[lane + 32 * i] = xq[i] * qs;
-              k[lane + 32 * i] = xk[i] * nk;
+              q[key_pos<L, VK>(lane + 32 * i)] = xq[i] * qs;
+              k[key_pos<L, VK>(lane + 32 * i)] = xk[i] * nk;
             }
             if (lane == 0) sQK[tt] = qk * qs * nk;
           } else if (kind == 1) {
@@ -305,7 +306,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
             for (int i = 0; i < KL; ++i) {
               const int d = lane + 32 * i;
               // keys past K hold zero state; any finite factor works
-              g[d] = d < Kc ? fast_exp2(gate(a.gate_mode != GateMode::kPreGated ? x[i] + sBias[d] : x[i])) : 0.f;
+              g[key_pos<L, VK>(d)] = d < Kc ? fast_exp2(gate(a.gate_mode != GateMode::kPreGated ? x[i] + sBias[d] : x[i])) : 0.f;
             }
           } else {  // v and beta of the tile's columns
             float* v = sV + tt * bvt;
@@ -348,7 +349,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
         const int64_t orow = a.out.offset(b, s, hv) + col0;
         float e[NJ];
         token_sums_e<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
-          const int d = key_of<L, VK>(dd, lane);
+          const int d = key_unit<L, VK>(dd, lane);
           load_keys<GRP>(g + d, g_);
           load_keys<GRP>(k + d, k_);
           load_keys<GRP>(q + d, q_);
@@ -358,7 +359,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
           if (store && col0 + cl < Vc) a.out.store(orow + cl, fmaf(qk, ej, pq));
           return ej;
         }, e);
-        token_update<L>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_of<L, VK>(dd, lane), k_); }, e);
+        token_update<L>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_unit<L, VK>(dd, lane), k_); }, e);
         if (a.token_states.present()) {
           store_state(a.token_states, a.token_states.block(int64_t(b) * a.T + s, hv), pc0, pl, S);
         }

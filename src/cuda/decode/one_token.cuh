@@ -70,6 +70,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   // pass p start at wcol0 + p * bv. The thread's keys, and so its q, k and gate, are the same in every pass.
   const int passes = STAGED ? o.passes : 1, bv = (blockDim.x >> 5) * kDecodeWarpCols;
   const int wcol0 = static_cast<int>(blockIdx.z) * bv * passes + warp * kDecodeWarpCols;
+  const bool one_range = VK || passes * bv == int(o.V);  // the CTA tile is one contiguous range of the pool
 
   // Token inputs: every load is issued before any is used (the inputs' offsets do not depend on the slot; with
   // cu_seqlens they wait for the sequence's start).
@@ -79,29 +80,28 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     return true;
   }
   LaterTile later;
-  if constexpr (STAGED) later.locate<VK, KP>(o);
+  if constexpr (STAGED) later.locate<VK, KP>(o, one_range);
   if (len > 1) return false;
   const bool tok = len == 1;
-  float xq[ND], xk[ND], xg[QN], bias[QN], xv[NJ], xb[NJ], nq_raw[KL], nk_raw[KL];
+  // v and beta at this thread's columns of pass p, loaded one pass ahead of their use: v-first, the NJ columns; [K,V],
+  // the one column whose e this lane computes (KvScatter::slot). beta per head (not per column): one value,
+  // activated once.
+  constexpr int VN = VK ? NJ : 1;
+  float xq[ND], xk[ND], xg[QN], bias[QN], xv[VN], xb[VN], nq_raw[KL], nk_raw[KL];
+  float beta_head = 0.f;
   const int dd0 = VK ? (lane >> 3) * QN : 0;  // the first of this thread's gate keys (slot index)
   const int gkey = key_of<L, VK>(dd0, lane);
   float alog = 0.f;
   const In* v = nullptr;
   const Side* bt = nullptr;
-  // v and beta at this thread's columns of pass p (loaded one pass ahead of their use).
-  // [K,V]: only the column whose e this lane computes (KvScatter::slot), in slot 0.
-  auto load_v_beta = [&](int p, float (&xv_)[NJ], float (&xb_)[NJ]) {
-    if constexpr (VK) {
+  auto load_v_beta = [&](int p, float (&xv_)[VN], float (&xb_)[VN]) {
 #pragma unroll
-      for (int jj = 0; jj < NJ; ++jj) {
-        const int c = p * bv + col_of<L, VK>(jj, lane);
-        xv_[jj] = to_float(__ldg(v + c));
-        xb_[jj] = to_float(__ldg(bt + (o.beta_cols() ? c : 0)));
-      }
-    } else {
-      const int c = p * bv + col_of<L, VK>(KvScatter<L>::slot(lane), lane);
-      xv_[0] = to_float(__ldg(v + c));
-      xb_[0] = to_float(__ldg(bt + (o.beta_cols() ? c : 0)));
+    for (int jj = 0; jj < VN; ++jj) {
+      int c;
+      if constexpr (VK) c = p * bv + col_of<L, VK>(jj, lane);
+      else c = p * bv + col_of<L, VK>(KvScatter<L>::slot(lane), lane);
+      xv_[jj] = to_float(__ldg(v + c));
+      if (o.beta_cols()) xb_[jj] = to_float(__ldg(bt + c));
     }
   };
   if (tok) {
@@ -130,6 +130,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     alog = o.A_log != nullptr ? __ldg(o.A_log + hv) : 0.f;
     v = static_cast<const In*>(o.v.p) + o.v.offset(row, hv) + wcol0;
     bt = static_cast<const Side*>(o.beta.p) + o.beta.offset(row, hv) + (o.beta_cols() ? wcol0 : 0);
+    if (!o.beta_cols()) beta_head = to_float(__ldg(bt));
     load_v_beta(0, xv, xb);
   }
 
@@ -170,7 +171,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
         cp_async_commit();
       }
     }
-    later.prefetch<PoolT, VK, KP>(o, passes * bv);
+    later.prefetch<PoolT, VK, KP>(o, passes * bv, one_range);
   } else if (rslot >= 0) {
     load_block<PoolT, VK, KP>(S, src, place(0), true);
   } else {
@@ -187,6 +188,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     const bool l2 = o.l2norm();
     const float qs = (l2 ? rsqrtf(sq + eps) : 1.f) * o.scale, nk = l2 ? rsqrtf(sk + eps) : 1.f;
     qkn = qk * qs * nk;
+    if (!o.beta_cols()) beta_head = beta_fast(beta_head, o.beta_sigmoid(), o.neg_eigval());
 #pragma unroll
     for (int dd = 0; dd < ND; ++dd) {
       xq[dd] *= qs;
@@ -217,7 +219,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
         zero_state();
       }
     }
-    float nv[NJ], nb[NJ];
+    float nv[VN], nb[VN];
     if (tok && p + 1 < passes) load_v_beta(p + 1, nv, nb);
     if (tok) {
       // The token: S *= exp(g); kS and qS in one pass; e = beta (v - kS); o = qS + (q.k) e; S += k e^T.
@@ -231,15 +233,9 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
           g_[i] = gv[dd + i];
         }
       }, [&](int jj, float pk, float pq, bool store) {
-        float xvj, xbj;
-        if constexpr (VK) {
-          xvj = xv[jj];
-          xbj = xb[jj];
-        } else {
-          xvj = xv[0];
-          xbj = xb[0];
-        }
-        const float ej = beta_fast(xbj, o.beta_sigmoid(), o.neg_eigval()) * (xvj - pk);
+        const int vj = VK ? jj : 0;
+        const float bj = o.beta_cols() ? beta_fast(xb[vj], o.beta_sigmoid(), o.neg_eigval()) : beta_head;
+        const float ej = bj * (xv[vj] - pk);
         if (store) static_cast<In*>(o.out.p)[orow + p * bv + col_of<L, VK>(jj, lane)] = from_float<In>(fmaf(qkn, ej, pq));
         return ej;
       }, e);
@@ -260,9 +256,9 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     }
     if (tok && p + 1 < passes) {
 #pragma unroll
-      for (int jj = 0; jj < (VK ? NJ : 1); ++jj) {
-        xv[jj] = nv[jj];
-        xb[jj] = nb[jj];
+      for (int i = 0; i < VN; ++i) {
+        xv[i] = nv[i];
+        xb[i] = nb[i];
       }
     }
   }
@@ -294,7 +290,7 @@ __device__ __forceinline__ bool decode_one_call(const DecodeOneArgs& o) {
 // T = 1, or lengths read on the host): it takes only the packed DecodeOneArgs (at most 192 bytes, DecodeArgs' first
 // bytes), so its launch carries a small argument block, and holds no general path (no fall-back to size for).
 template <typename PoolT, bool VK, int KP, bool STAGED>
-__global__ void __launch_bounds__(kDecodeMaxWarps * 32, 4) decode_one_kernel(const DecodeOneArgs o) {
+__global__ void __launch_bounds__(kDecodeMaxWarps * 32, VK ? 4 : 5) decode_one_kernel(const DecodeOneArgs o) {
   decode_detail::decode_one_call<PoolT, VK, KP, STAGED>(o);
 }
 

@@ -84,8 +84,10 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
   // cu_seqlens of at most one token per sequence on average (T <= N: the engines' varlen decode) stage one token at a
   // time: the staging then leaves room for the state tile of the one-token form, and a longer sequence, if any, is
   // staged token by token.
+  // 2-D slot indices bound every sequence's length by their columns (T_max, spec §5.4): device cu_seqlens of verify
+  // calls then stage T_max tokens, not 16.
   const bool count_one = pr.varlen && !plan.cu_known && pr.T <= pr.N;
-  const int64_t longest = plan.cu_known ? plan.max_len : pr.T;
+  const int64_t longest = plan.cu_known ? plan.max_len : (pr.T_max > 0 ? std::min(pr.T, pr.T_max) : pr.T);
   const int tb_max = cfg.KP <= 128 ? 16 : 8;
   d.tb = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(count_one ? 1 : longest, tb_max)));
   d.tail_cta = pr.varlen && !(plan.cu_known && !plan.cu.empty() && plan.cu.back() == pr.T);

@@ -41,6 +41,29 @@ __device__ __forceinline__ int key_of(int dd, int lane) {
   else return (lane / L::LV) * L::ND + dd;
 }
 
+// The general form's staged key rows (q, k, exp(gate) per token in shared memory) are stored in the order the
+// threads read them: the thread's key group g (GRP consecutive keys from slot g GRP on) of K-lane kl (the lanes that
+// span K: lane & 7 v-first, lane / LV [K,V]) at 16-byte unit g LANES_K + kl. A warp's reads of one group are then
+// consecutive 16-byte units (no bank conflicts), where in key order they lie VEC or ND keys apart.
+template <typename L, bool VK>
+__device__ __forceinline__ int key_unit(int dd, int lane) {
+  const int kl = VK ? (lane & 7) : lane / (VK ? 1 : L::LV);
+  return ((dd / L::GRP) * L::LANES_K + kl) * L::GRP + dd % L::GRP;
+}
+// The position of key d in that order (the inverse of key_of, then key_unit).
+template <typename L, bool VK>
+__device__ __forceinline__ int key_pos(int d) {
+  int kl, dd;
+  if constexpr (VK) {
+    kl = (d / L::VEC) % 8;
+    dd = (d / (8 * L::VEC)) * L::VEC + d % L::VEC;
+  } else {
+    kl = d / L::ND;
+    dd = d % L::ND;
+  }
+  return ((dd / L::GRP) * L::LANES_K + kl) * L::GRP + dd % L::GRP;
+}
+
 // ---- state vectors -----------------------------------------------------------------------------------------
 // State traffic is streamed (read once, written once per call): evict-first cache hints.
 
@@ -361,40 +384,52 @@ __device__ __forceinline__ void store_tile_rows(const float (&S)[Tile<PoolT, fal
 // L2 prefetch of the state tile that the CTA o.prefetch_ahead places later in launch order will stage (blocks are
 // dispatched in linear order; the host sets one place per SM, so that CTA starts a fraction of a CTA's lifetime
 // later, after about one CTA per SM has ended). Its copies then hit L2, and the state reads in flight are no longer
-// bounded by the shared memory of the resident CTAs (docs/perf-notes.md). Bulk prefetches (sm_90): v-first, the tile
-// is one contiguous block (thread 0); [K,V], one row of the tile's columns per key (thread k). The later CTA's slot is
-// loaded first (`locate`, beside this CTA's own scalars), the prefetch issued after this CTA's own copies.
+// bounded by the shared memory of the resident CTAs (docs/perf-notes.md). Bulk prefetches (sm_90): a tile that is one
+// contiguous range (v-first, or [K,V] tiles of whole rows) by thread 0; otherwise one row of the tile's columns per
+// key (thread k). The later CTA's slot is loaded first (`locate`, beside this CTA's own scalars), the prefetch issued
+// after this CTA's own copies. The later CTA's grid place is this one's advanced by prefetch_ahead in mixed radix
+// (x fastest): a carry, not a division, where prefetch_ahead < gridDim.x (every staged launch the host makes).
 struct LaterTile {
   int slot = -1;
   unsigned z = 0, hv = 0;
   template <bool VK, int KP>
-  __device__ __forceinline__ void locate(const DecodeOneArgs& o) {
-    if (o.prefetch_ahead <= 0 || threadIdx.x >= (VK ? 1u : unsigned(KP))) return;
-    // 64-bit: N * HV * vtiles may pass 2^32.
-    const uint64_t per_z = uint64_t(gridDim.x) * gridDim.y;
-    const uint64_t target =
-        blockIdx.x + uint64_t(gridDim.x) * blockIdx.y + per_z * blockIdx.z + uint64_t(o.prefetch_ahead);
-    if (target >= per_z * gridDim.z) return;
-    z = static_cast<unsigned>(target / per_z);
-    const uint64_t rem = target - uint64_t(z) * per_z;
-    hv = static_cast<unsigned>(rem / gridDim.x);
-    const int n = static_cast<int>(rem - uint64_t(hv) * gridDim.x);
-    if (o.tokens > 0 && n == static_cast<int>(gridDim.x) - 1) return;  // the padded token tail's row: no state
-    slot = o.state_indices != nullptr ? o.slot_of(n) : n;
+  __device__ __forceinline__ void locate(const DecodeOneArgs& o, bool one_range) {
+    if (o.prefetch_ahead <= 0 || threadIdx.x >= (one_range ? 1u : unsigned(KP))) return;
+    const unsigned ahead = o.prefetch_ahead, X = gridDim.x;
+    unsigned x = blockIdx.x + ahead, y = blockIdx.y, zz = blockIdx.z;  // < 2^31 + 2^16
+    if (x >= X) {
+      if (ahead < X) {
+        x -= X;
+        ++y;
+      } else {
+        y += x / X;
+        x %= X;
+      }
+      if (y >= gridDim.y) {
+        zz += y / gridDim.y;
+        y %= gridDim.y;
+      }
+      if (zz >= gridDim.z) return;
+    }
+    z = zz;
+    hv = y;
+    if (o.tokens > 0 && x == X - 1) return;  // the padded token tail's row: no state
+    slot = o.state_indices != nullptr ? o.slot_of(static_cast<int>(x)) : static_cast<int>(x);
   }
   template <typename PoolT, bool VK, int KP>
-  __device__ __forceinline__ void prefetch(const DecodeOneArgs& o, int tile_cols) const {
+  __device__ __forceinline__ void prefetch(const DecodeOneArgs& o, int tile_cols, bool one_range) const {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (slot < 0 || slot >= o.slots || slot == o.pad_slot) return;
     const PoolT* head = static_cast<const PoolT*>(o.initial) + int64_t(slot) * o.slot_stride +
                         size_t(hv) * KP * o.V;
-    const PoolT* from =
-        VK ? head + size_t(z) * tile_cols * KP : head + size_t(threadIdx.x) * o.V + size_t(z) * tile_cols;
-    const unsigned bytes = unsigned(tile_cols) * unsigned(sizeof(PoolT)) * (VK ? KP : 1);
+    const PoolT* from = one_range ? head + size_t(z) * tile_cols * KP
+                                  : head + size_t(threadIdx.x) * o.V + size_t(z) * tile_cols;
+    const unsigned bytes = unsigned(tile_cols) * unsigned(sizeof(PoolT)) * (one_range ? KP : 1);
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(from), "r"(bytes) : "memory");
 #else
     (void)o;
     (void)tile_cols;
+    (void)one_range;
 #endif
   }
 };
