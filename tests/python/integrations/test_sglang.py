@@ -40,7 +40,7 @@ def test_extend_pregated(seed, device, state_dtype):
     assert isinstance(o, torch.Tensor) and o.shape == x["v"].shape
     o_ref, pool_ref, _ = pool_reference(x, before, cache_indices.tolist(), is_pad=lambda s: s < 0)
     assert_close("o", o_ref, o, out_tol(x, device))
-    check_pool("ssm_states", ssm_states, pool_ref, cache_indices.tolist(), device)
+    check_pool("ssm_states", ssm_states, pool_ref, cache_indices.tolist(), device, prefill_inputs=x["q"].dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -62,7 +62,7 @@ def test_extend_raw_gate_with_chunk_states(seed, device, lower_bound, beta_is_ra
     flags = dict(gate=True, lower_bound=lower_bound, beta_sigmoid=beta_is_raw)
     o_ref, pool_ref, _ = pool_reference(x, before, cache_indices.tolist(), is_pad=lambda s: s < 0, **flags)
     assert_close("o", o_ref, o, out_tol(x, device))
-    check_pool("ssm_states", ssm_states, pool_ref, cache_indices.tolist(), device)
+    check_pool("ssm_states", ssm_states, pool_ref, cache_indices.tolist(), device, prefill_inputs=x["q"].dtype)
     *_, h_ref = kdakit.naive_recurrent_kda(
         x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=before[cache_indices.long()], A_log=x["A_log"],
         dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
