@@ -389,48 +389,66 @@ __device__ __forceinline__ void store_tile_rows(const float (&S)[Tile<PoolT, fal
 // key (thread k). The later CTA's slot is loaded first (`locate`, beside this CTA's own scalars), the prefetch issued
 // after this CTA's own copies. The later CTA's grid place is this one's advanced by prefetch_ahead in mixed radix
 // (x fastest): a carry, not a division, where prefetch_ahead < gridDim.x (every staged launch the host makes).
+// This CTA's grid place advanced by `ahead` in launch order (x fastest, a mixed-radix add); false past the grid's end.
+__device__ __forceinline__ bool later_place(unsigned ahead, unsigned& x, unsigned& y, unsigned& z) {
+  const unsigned X = gridDim.x;
+  x = blockIdx.x + ahead;  // < 2^31 + 2^16
+  y = blockIdx.y;
+  z = blockIdx.z;
+  if (x >= X) {
+    if (ahead < X) {
+      x -= X;
+      ++y;
+    } else {
+      y += x / X;
+      x %= X;
+    }
+    if (y >= gridDim.y) {
+      z += y / gridDim.y;
+      y %= gridDim.y;
+    }
+    if (z >= gridDim.z) return false;
+  }
+  return true;
+}
+
+// The bulk L2 prefetch of a later CTA's tile: `tile_cols` columns from column z tile_cols of the state block `head`
+// (KP x V elements); one range by the calling thread, or (one_range false: [K,V] tiles of part of the rows) the row
+// of key threadIdx.x.
+template <typename PoolT, int KP>
+__device__ __forceinline__ void prefetch_tile_l2(const PoolT* head, int V, unsigned z, int tile_cols, bool one_range) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const PoolT* from = one_range ? head + size_t(z) * tile_cols * KP
+                                : head + size_t(threadIdx.x) * V + size_t(z) * tile_cols;
+  const unsigned bytes = unsigned(tile_cols) * unsigned(sizeof(PoolT)) * (one_range ? KP : 1);
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(from), "r"(bytes) : "memory");
+#else
+  (void)head;
+  (void)V;
+  (void)z;
+  (void)tile_cols;
+  (void)one_range;
+#endif
+}
+
 struct LaterTile {
   int slot = -1;
   unsigned z = 0, hv = 0;
   template <bool VK, int KP>
   __device__ __forceinline__ void locate(const DecodeOneArgs& o, bool one_range) {
     if (o.prefetch_ahead <= 0 || threadIdx.x >= (one_range ? 1u : unsigned(KP))) return;
-    const unsigned ahead = o.prefetch_ahead, X = gridDim.x;
-    unsigned x = blockIdx.x + ahead, y = blockIdx.y, zz = blockIdx.z;  // < 2^31 + 2^16
-    if (x >= X) {
-      if (ahead < X) {
-        x -= X;
-        ++y;
-      } else {
-        y += x / X;
-        x %= X;
-      }
-      if (y >= gridDim.y) {
-        zz += y / gridDim.y;
-        y %= gridDim.y;
-      }
-      if (zz >= gridDim.z) return;
-    }
+    unsigned x, y, zz;
+    if (!later_place(o.prefetch_ahead, x, y, zz)) return;
     z = zz;
     hv = y;
-    if (o.tokens > 0 && x == X - 1) return;  // the padded token tail's row: no state
+    if (o.tokens > 0 && x == gridDim.x - 1) return;  // the padded token tail's row: no state
     slot = o.state_indices != nullptr ? o.slot_of(static_cast<int>(x)) : static_cast<int>(x);
   }
   template <typename PoolT, bool VK, int KP>
   __device__ __forceinline__ void prefetch(const DecodeOneArgs& o, int tile_cols, bool one_range) const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (slot < 0 || slot >= o.slots || slot == o.pad_slot) return;
-    const PoolT* head = static_cast<const PoolT*>(o.initial) + int64_t(slot) * o.slot_stride +
-                        size_t(hv) * KP * o.V;
-    const PoolT* from = one_range ? head + size_t(z) * tile_cols * KP
-                                  : head + size_t(threadIdx.x) * o.V + size_t(z) * tile_cols;
-    const unsigned bytes = unsigned(tile_cols) * unsigned(sizeof(PoolT)) * (one_range ? KP : 1);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(from), "r"(bytes) : "memory");
-#else
-    (void)o;
-    (void)tile_cols;
-    (void)one_range;
-#endif
+    const PoolT* head = static_cast<const PoolT*>(o.initial) + int64_t(slot) * o.slot_stride + size_t(hv) * KP * o.V;
+    prefetch_tile_l2<PoolT, KP>(head, o.V, z, tile_cols, one_range);
   }
 };
 
