@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# kdakit's test suite: the C++ tests (GoogleTest, through CTest), then the Python tests (pytest).
+# kdakit's test suite: the C++ tests (GoogleTest, and the C++ package installed and examples/cpp run against it;
+# through CTest), then the Python tests (pytest).
 # GPU tests skip, with the reason printed, where no GPU or no CUDA kernels are present.
 # Extra arguments go to pytest.
 set -euo pipefail

@@ -11,14 +11,17 @@
 #include <memory>
 #include <vector>
 
+#include "kdakit/config.h"
 #include "kdakit/error.h"
+#include "kdakit/export.h"
 #include "kdakit/params.h"
 #include "kdakit/tensor.h"
+#include "kdakit/version.h"
 
 namespace kdakit {
 
 // Dimensions derived from validated params.
-struct Problem {
+struct KDAKIT_API Problem {
   int64_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
   int64_t N = 0;           // sequences
   int64_t group = 1;       // HV / H
@@ -31,15 +34,15 @@ struct Problem {
 };
 
 // Validation: one function per op. Each returns the problem's dimensions or throws InvalidArgument.
-Problem validate(const ForwardParams& p);
-Problem validate(const BackwardParams& p);
-Problem validate(const DecodeParams& p);
+KDAKIT_API Problem validate(const ForwardParams& p);
+KDAKIT_API Problem validate(const BackwardParams& p);
+KDAKIT_API Problem validate(const DecodeParams& p);
 
 // A validated and planned call of the chunked forward (or its backward): validation and planning run once, and the
 // workspace query and the launch read the same plan. Make it from params whose workspace fields are empty, allocate
 // workspace_size() bytes, then run(). A call may run several times (its params' tensors must stay alive).
 template <class Params>
-class PlannedCall {
+class KDAKIT_API PlannedCall {
  public:
   explicit PlannedCall(const Params& p);
   const Problem& problem() const;
@@ -56,32 +59,32 @@ extern template class PlannedCall<ForwardParams>;
 extern template class PlannedCall<BackwardParams>;
 
 // Scratch memory an op needs in `workspace` (bytes). Validates and plans the params.
-std::size_t forward_workspace_size(const ForwardParams& p);
-std::size_t backward_workspace_size(const BackwardParams& p);
+KDAKIT_API std::size_t forward_workspace_size(const ForwardParams& p);
+KDAKIT_API std::size_t backward_workspace_size(const BackwardParams& p);
 
 // The ops, in one step (forward and backward: a call made and run with the params' workspace). Outputs are written into
 // the caller's tensors.
-void forward(const ForwardParams& p, void* stream = nullptr);
-void backward(const BackwardParams& p, void* stream = nullptr);
-void decode(const DecodeParams& p, void* stream = nullptr);
+KDAKIT_API void forward(const ForwardParams& p, void* stream = nullptr);
+KDAKIT_API void backward(const BackwardParams& p, void* stream = nullptr);
+KDAKIT_API void decode(const DecodeParams& p, void* stream = nullptr);
 
 // The specification, CPU only: the token recurrence of spec §1.4 in float64. Same params and outputs as
 // forward() (intermediate_states are the states before every chunk_size-th token).
-void reference_forward(const ForwardParams& p);
+KDAKIT_API void reference_forward(const ForwardParams& p);
 
 // Number of chunks of every sequence given host-side sequence boundaries.
-int64_t count_chunks(const std::vector<int64_t>& cu_seqlens, int chunk_size);
+KDAKIT_API int64_t count_chunks(const std::vector<int64_t>& cu_seqlens, int chunk_size);
 
 // Build information.
-bool cuda_available();  // built with CUDA kernels and a device is visible
-const char* version();
+KDAKIT_API bool cuda_available();  // built with CUDA kernels and a device is visible
+KDAKIT_API const char* version();  // the library's version, "MAJOR.MINOR.PATCH" (version.h: the headers')
 
 // Threads the CPU backend uses (default: the hardware concurrency).
-void set_cpu_threads(int n);
-int cpu_threads();
+KDAKIT_API void set_cpu_threads(int n);
+KDAKIT_API int cpu_threads();
 
 // The developer overrides of the CUDA backend's launch choices (KDAKIT_* environment variables, docs/ARCHITECTURE.md)
 // are read once per process; this reads them again. None of them changes a result.
-void reload_overrides();
+KDAKIT_API void reload_overrides();
 
 }  // namespace kdakit

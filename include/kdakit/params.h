@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "kdakit/export.h"
 #include "kdakit/tensor.h"
 
 namespace kdakit {
@@ -25,7 +26,7 @@ enum class GateMode : int32_t {
   kLowerBound = 2,  // gate = lower_bound * sigmoid(exp(A_log[hv]) * (g + dt_bias)); A_log optional
 };
 
-struct GateParams {
+struct KDAKIT_API GateParams {
   GateMode mode = GateMode::kPreGated;
   TensorView A_log;    // HV elements, any contiguous shape (e.g. [HV] or [1,1,HV,1]); float dtype
   TensorView dt_bias;  // HV*K elements, [HV*K] or [HV,K]; optional; float dtype
@@ -33,7 +34,7 @@ struct GateParams {
 };
 
 // The inputs every op shares.
-struct KdaInputs {
+struct KDAKIT_API KdaInputs {
   TensorView q, k;  // [B,T,H,K]
   TensorView v;     // [B,T,HV,V]
   TensorView g;     // [B,T,HV,K]: log-decay (kPreGated) or the raw gate input
@@ -56,7 +57,7 @@ struct KdaInputs {
 // may have more rows than sequences (the extra rows are ignored), and with cu_seqlens the tokens past cu_seqlens[N]
 // are padding (zero outputs).
 // Passing the same tensor as initial and final state updates a state pool in place.
-struct StateIO {
+struct KDAKIT_API StateIO {
   StateLayout layout = StateLayout::kKV;
   TensorView initial_state;      // optional [P,HV,K,V] (or [P,HV,V,K]); float32 or bfloat16
   TensorView final_state;        // optional, same shape rules and dtypes
@@ -65,7 +66,7 @@ struct StateIO {
   int64_t pad_slot_id = -1;      // >= -1; -1 (the default) or vLLM's NULL_BLOCK_ID 0
 };
 
-struct ForwardParams {
+struct KDAKIT_API ForwardParams {
   KdaInputs in;
   StateIO state;
   int chunk_size = 64;     // 32 or 64
@@ -78,7 +79,7 @@ struct ForwardParams {
   std::size_t workspace_bytes = 0;
 };
 
-struct BackwardParams {
+struct KDAKIT_API BackwardParams {
   KdaInputs in;
   StateLayout layout = StateLayout::kKV;
   TensorView initial_state;  // optional [N,HV,K,V] (or v-first), as in the forward
@@ -102,7 +103,7 @@ struct BackwardParams {
 // With 2-D state_indices [N,T_max] the state is read from slot state_indices[n, a_n - 1]
 // (a_n = num_accepted_tokens[n], or 1 without it) and written after every token t to
 // state_indices[n, t]; with 1-D indices it is read from and written to slot state_indices[n].
-struct DecodeParams {
+struct KDAKIT_API DecodeParams {
   KdaInputs in;
   StateIO state;
   TensorView num_accepted_tokens;  // optional [N] int32/int64, 1 <= a_n <= T_max; needs 2-D indices

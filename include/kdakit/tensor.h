@@ -6,6 +6,8 @@
 #include <initializer_list>
 #include <string>
 
+#include "kdakit/export.h"
+
 namespace kdakit {
 
 enum class DType : int32_t {
@@ -21,8 +23,8 @@ enum class DType : int32_t {
 
 enum class Device : int32_t { kCPU = 0, kCUDA = 1 };
 
-const char* dtype_name(DType dtype);
-std::size_t dtype_size(DType dtype);
+KDAKIT_API const char* dtype_name(DType dtype);
+KDAKIT_API std::size_t dtype_size(DType dtype);
 inline bool is_floating(DType d) {
   return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16 || d == DType::kFloat64;
 }
@@ -32,7 +34,7 @@ constexpr int kMaxDims = 6;
 
 // A view of memory owned by the caller. Shapes and strides count elements.
 // `ndim < 0` marks an optional argument that was not given.
-struct TensorView {
+struct KDAKIT_API TensorView {
   void* data = nullptr;
   DType dtype = DType::kFloat32;
   Device device = Device::kCPU;
@@ -52,9 +54,9 @@ struct TensorView {
 };
 
 // Builds a view; without strides the view is row-major contiguous.
-TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> shape,
+KDAKIT_API TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> shape,
                      Device device = Device::kCPU, int device_index = 0);
-TensorView make_view(void* data, DType dtype, int ndim, const int64_t* shape, const int64_t* strides,
+KDAKIT_API TensorView make_view(void* data, DType dtype, int ndim, const int64_t* shape, const int64_t* strides,
                      Device device = Device::kCPU, int device_index = 0);
 
 }  // namespace kdakit

@@ -5,6 +5,7 @@
 
 #include "common/plan.h"
 #include "cpu/backend.h"
+#include "kdakit/config.h"
 #include "kdakit/kdakit.h"
 
 #if defined(KDAKIT_WITH_CUDA)
@@ -207,6 +208,6 @@ void reload_overrides() {
 #endif
 }
 
-const char* version() { return KDAKIT_VERSION; }
+const char* version() { return KDAKIT_VERSION_STRING; }
 
 }  // namespace kdakit

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "docs" / "spec.md"
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 
-SCANNED_DIRS = ("src", "include", "python", "tests", "tools", "docs")
+SCANNED_DIRS = ("src", "include", "python", "tests", "tools", "docs", "examples")
 SCANNED_FILES = ("README.md",)
 SKIPPED_DIRS = {".git", "build", ".venv", ".deps", "__pycache__", ".pytest_cache"}
 
@@ -40,7 +40,7 @@ REQUIRED_SECTIONS = (
     + ["9"]
 )
 
-ARCH_PREFIXES = ("src/", "include/", "python/", "tests/", "tools/", "docs/", "cmake/", ".ci/")
+ARCH_PREFIXES = ("src/", "include/", "python/", "tests/", "tools/", "docs/", "cmake/", ".ci/", "examples/")
 ARCH_ROOT_FILES = ("README.md", "CMakeLists.txt", "pyproject.toml")
 
 

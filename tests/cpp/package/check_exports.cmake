@@ -1,0 +1,60 @@
+# The shared kdakit exports the public API only (a CTest, run by cmake -P on the library that
+# install_and_run_example.cmake installed): every dynamic symbol it defines is in namespace kdakit, outside the
+# internal namespaces, or is the vtable or type information of such a class; and the public API is there.
+#   -DNM=<nm> -DLIBRARY=<libkdakit.so>
+cmake_minimum_required(VERSION 3.24)
+execute_process(COMMAND ${NM} -C -D --defined-only ${LIBRARY} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "${NM} -C -D --defined-only ${LIBRARY} failed (${rc}): ${err}")
+endif()
+string(REPLACE ";" "\\;" out "${out}")
+string(REPLACE "\n" ";" lines "${out}")
+
+set(internal "^kdakit::(cpu|cuda|detail|test|\\(anonymous namespace\\))::")
+# Symbols the linker defines in every shared library (some linkers export them).
+set(linker_symbols _init _fini _edata _end __bss_start)
+set(names)
+set(leaks)
+foreach(line IN LISTS lines)
+  if(line STREQUAL "")
+    continue()
+  endif()
+  # "<address> <type> <name>"
+  string(REGEX REPLACE "^[0-9a-fA-F]* *[A-Za-z] " "" name "${line}")
+  string(REGEX REPLACE "^(typeinfo name for|typeinfo for|vtable for) " "" entity "${name}")
+  list(APPEND names "${name}")
+  if(name IN_LIST linker_symbols)
+    continue()
+  endif()
+  if(NOT entity MATCHES "^kdakit::" OR entity MATCHES "${internal}")
+    list(APPEND leaks "${name}")
+  endif()
+endforeach()
+list(LENGTH names count)
+
+set(required "kdakit::forward(kdakit::ForwardParams const&, void*)" "kdakit::decode(kdakit::DecodeParams const&, void*)"
+             "kdakit::reference_forward(kdakit::ForwardParams const&)" "typeinfo for kdakit::InvalidArgument"
+             "vtable for kdakit::Error")
+set(missing)
+foreach(name IN LISTS required)
+  if(NOT name IN_LIST names)
+    list(APPEND missing "${name}")
+  endif()
+endforeach()
+if(NOT names MATCHES "kdakit::PlannedCall<kdakit::ForwardParams>::run")
+  list(APPEND missing "kdakit::PlannedCall<kdakit::ForwardParams>::run")
+endif()
+
+set(problems "")
+if(leaks)
+  list(JOIN leaks "\n  " leaks)
+  string(APPEND problems "\nexported symbols that are not the public API:\n  ${leaks}")
+endif()
+if(missing)
+  list(JOIN missing "\n  " missing)
+  string(APPEND problems "\npublic API not exported:\n  ${missing}")
+endif()
+if(problems)
+  message(FATAL_ERROR "${LIBRARY}:${problems}")
+endif()
+message(STATUS "${LIBRARY}: ${count} exported symbols, all of the public API")
