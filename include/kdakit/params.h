@@ -87,6 +87,10 @@ struct KDAKIT_API BackwardParams {
   bool safe_gate = false;
   TensorView d_out;          // required [B,T,HV,V]
   TensorView d_final_state;  // optional [N,HV,K,V] (or v-first)
+  // Optional: the forward's chunk-start states of these inputs (ForwardParams::intermediate_states, [B,NT,HV,K,V],
+  // varlen [1,NT_total,HV,K,V], in `layout`), read instead of recomputed (FLA's disable_recompute). Float dtype;
+  // float32 keeps the gradients' precision (a bfloat16 copy rounds every state).
+  TensorView chunk_states;
   // Gradients (outputs). dq, dk, dv, dg, dbeta are required; the others follow their inputs:
   TensorView dq, dk;          // [B,T,H,K]
   TensorView dv;              // [B,T,HV,V]

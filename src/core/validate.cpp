@@ -271,6 +271,18 @@ Plan plan_inputs(const KdaInputs& in, bool headwise_beta_allowed) {
   return plan;
 }
 
+// Chunk-start states [B,NT,HV,K,V] (varlen [1,NT_total,...]; v-first per layout) with dense blocks.
+void require_chunk_states(const TensorView& h, const char* name, const Plan& plan, StateLayout layout, int chunk_size) {
+  const Problem& pr = plan.pr;
+  const bool vk = layout == StateLayout::kVK;
+  const int64_t nt = pr.varlen ? (plan.cu_known ? pr.num_chunks : -1) : (pr.T + chunk_size - 1) / chunk_size;
+  require_tensor(h, name, pr, {pr.varlen ? 1 : pr.B, nt, pr.HV, vk ? pr.V : pr.K, vk ? pr.K : pr.V},
+                 vk ? "[B,NT,HV,V,K]" : "[B,NT,HV,K,V]");
+  if (h.strides[3] != h.shape[4] || (h.shape[4] > 1 && h.strides[4] != 1)) {
+    fail(name, std::string("each state block must be dense, got strides ") + h.strides_str());
+  }
+}
+
 void plan_chunks(Plan& plan, int chunk_size) {
   if (!plan.cu_known) return;
   plan.chunk_offsets.assign(plan.pr.N + 1, 0);
@@ -395,15 +407,7 @@ Plan plan_forward(const ForwardParams& p) {
   check_state_io(p.state, plan, /*allow_2d_indices=*/false);
   require_tensor(p.out, "out", pr, {pr.B, pr.T, pr.HV, pr.V}, "[B,T,HV,V]");
   if (p.intermediate_states.present()) {
-    const TensorView& h = p.intermediate_states;
-    const bool vk = p.state.layout == StateLayout::kVK;
-    const int64_t nt = pr.varlen ? (plan.cu_known ? pr.num_chunks : -1) : (pr.T + p.chunk_size - 1) / p.chunk_size;
-    require_tensor(h, "intermediate_states", pr,
-                   {pr.varlen ? 1 : pr.B, nt, pr.HV, vk ? pr.V : pr.K, vk ? pr.K : pr.V},
-                   vk ? "[B,NT,HV,V,K]" : "[B,NT,HV,K,V]");
-    if (h.strides[3] != h.shape[4] || (h.shape[4] > 1 && h.strides[4] != 1)) {
-      fail("intermediate_states", "each state block must be dense, got strides " + h.strides_str());
-    }
+    require_chunk_states(p.intermediate_states, "intermediate_states", plan, p.state.layout, p.chunk_size);
   }
   if (p.workspace_bytes > 0 && p.workspace == nullptr) fail("workspace", "workspace_bytes > 0 but workspace is null");
   return plan;
@@ -423,6 +427,7 @@ Plan plan_backward(const BackwardParams& p) {
     require_state(p.d_final_state, "d_final_state", pr, p.layout, pr.N);
     require_float(p.d_final_state, "d_final_state");
   }
+  if (p.chunk_states.present()) require_chunk_states(p.chunk_states, "chunk_states", plan, p.layout, p.chunk_size);
   require_tensor(p.dq, "dq", pr, {pr.B, pr.T, pr.H, pr.K}, "[B,T,H,K]");
   require_tensor(p.dk, "dk", pr, {pr.B, pr.T, pr.H, pr.K}, "[B,T,H,K]");
   require_tensor(p.dv, "dv", pr, {pr.B, pr.T, pr.HV, pr.V}, "[B,T,HV,V]");
