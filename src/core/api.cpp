@@ -40,13 +40,17 @@ P without_workspace(const P& p) {
   return q;
 }
 
-// What a planned call keeps of its backend's plan: the CUDA forward's launch plan; nothing else yet.
+// What a planned call keeps of its backend's plan: the CUDA launch plan.
 template <class P>
 struct BackendPlan {};
 #if defined(KDAKIT_WITH_CUDA)
 template <>
 struct BackendPlan<ForwardParams> {
   cuda::ForwardLaunch launch;
+};
+template <>
+struct BackendPlan<BackwardParams> {
+  cuda::BackwardLaunch launch;
 };
 #endif
 
@@ -67,10 +71,12 @@ std::size_t plan_backend(const ForwardParams& p, const detail::Plan& plan,
 #endif
 }
 
-std::size_t plan_backend(const BackwardParams& p, const detail::Plan& plan, BackendPlan<BackwardParams>&) {
+std::size_t plan_backend(const BackwardParams& p, const detail::Plan& plan,
+                         [[maybe_unused]] BackendPlan<BackwardParams>& b) {
   if (plan.pr.device == Device::kCPU) return cpu::backward_workspace_size(p, plan);
 #if defined(KDAKIT_WITH_CUDA)
-  return cuda::backward_workspace_size(p, plan);
+  b.launch = cuda::plan_backward(p, plan);
+  return b.launch.total;
 #else
   cuda_not_built("backward");
 #endif
@@ -87,11 +93,11 @@ void run_backend(const ForwardParams& p, const detail::Plan& plan, [[maybe_unuse
 #endif
 }
 
-void run_backend(const BackwardParams& p, const detail::Plan& plan, const BackendPlan<BackwardParams>&,
-                 [[maybe_unused]] void* stream) {
+void run_backend(const BackwardParams& p, const detail::Plan& plan,
+                 [[maybe_unused]] const BackendPlan<BackwardParams>& b, [[maybe_unused]] void* stream) {
   if (plan.pr.device == Device::kCPU) return cpu::backward(p, plan);
 #if defined(KDAKIT_WITH_CUDA)
-  cuda::backward(p, plan, stream);
+  cuda::backward(p, plan, b.launch, p.workspace, p.workspace_bytes, stream);
 #else
   cuda_not_built("backward");
 #endif

@@ -4,6 +4,7 @@
 #include <cstddef>
 
 #include "common/plan.h"
+#include "cuda/backward/plan.h"
 #include "cuda/decode/plan.h"
 #include "cuda/forward/plan.h"
 
@@ -18,8 +19,10 @@ ForwardLaunch plan_forward(const ForwardParams& p, const detail::Plan& plan);
 void forward(const ForwardParams& p, const detail::Plan& plan, const ForwardLaunch& launch, void* workspace,
              std::size_t workspace_bytes, void* stream);
 
-std::size_t backward_workspace_size(const BackwardParams& p, const detail::Plan& plan);
-void backward(const BackwardParams& p, const detail::Plan& plan, void* stream);
+// The backward, planned and run the same way (src/cuda/backward/run.cu).
+BackwardLaunch plan_backward(const BackwardParams& p, const detail::Plan& plan);
+void backward(const BackwardParams& p, const detail::Plan& plan, const BackwardLaunch& launch, void* workspace,
+              std::size_t workspace_bytes, void* stream);
 
 void decode(const DecodeParams& p, const detail::Plan& plan, void* stream);
 

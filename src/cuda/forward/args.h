@@ -32,6 +32,7 @@ struct ForwardArgs : KdaArgs {
   void* ws_a = nullptr;   // [slot][HV][C][C] Elem (scale folded in, zero above the diagonal)
   void* ws_alo = nullptr; // [slot][HV][C][C] bf16 operands only: Aqk - bf16(Aqk), so Aqk v_new runs on hi + lo
   float* ws_gam = nullptr;  // [slot][HV][KP]
+  float* ws_tm = nullptr;   // optional [slot][HV][C][C] fp32: Tm = (I + L)^-1, zero above the diagonal (the backward)
   int KP = 64, VP = 64;
 
   // Intra-card context parallelism (spec §7.5 algebra; cp/segments.h): a long sequence is cut into chunk-aligned
@@ -74,5 +75,11 @@ struct ForwardArgs : KdaArgs {
 
   TokenRows out;  // [B,T,HV,V], any float dtype
 };
+
+struct ForwardLaunch;  // forward/plan.h
+
+// The kernel arguments of a planned forward call whose workspace starts at `ws` (forward/run.cu); the backward's
+// prepare and state pass run the forward's kernels with them.
+ForwardArgs forward_args(const ForwardParams& p, const detail::Plan& plan, const ForwardLaunch& fp, char* ws);
 
 }  // namespace kdakit::cuda

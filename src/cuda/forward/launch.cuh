@@ -107,7 +107,7 @@ void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t
       });
     });
   }
-  if (a.N == 0) return;
+  if (a.N == 0 || cfg.prepare_only) return;
   with_kp(cfg.KP, [&](auto kp_tag) {
     constexpr int KP = decltype(kp_tag)::value;
     with_bv<sizeof(Elem), KP>(cfg.BV, [&](auto bv_tag) {

@@ -486,11 +486,15 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
   static_assert(NSUB == 2 || NSUB == 4, "the doubling inverse covers chunks of 32 or 64 rows");
   inverse_level<C, L::LDL, L::LDY, 1>(sLT, sY);
   if constexpr (NSUB == 4) inverse_level<C, L::LDL, L::LDY, 2>(sLT, sY);
-  // Tm * diag(beta) as the A operand of w and u.
+  // Tm * diag(beta) as the A operand of w and u; Tm itself to the workspace when asked (the backward's gradients).
+  float* ws_tm = a.ws_tm != nullptr ? a.ws_tm + ws_tile * C * C : nullptr;
   for (int e = tid; e < C * C / 2; e += NTH) {
     const int i = e / (C / 2), j = 2 * (e % (C / 2));
     const float2 t = *reinterpret_cast<const float2*>(sLT + i * L::LDL + j);
     Op::store2(sTb + i * L::LDC + j, j <= i ? t.x * sBeta[j] : 0.f, j + 1 <= i ? t.y * sBeta[j + 1] : 0.f);
+    if (ws_tm != nullptr) {
+      *reinterpret_cast<float2*>(ws_tm + i * C + j) = make_float2(j <= i ? t.x : 0.f, j + 1 <= i ? t.y : 0.f);
+    }
   }
   // w = Tm diag(beta) (k exp2(G)) by role-0 warps and u = Tm diag(beta) v by role-1 warps, 64 columns a step.
   cp_async_wait<0>();

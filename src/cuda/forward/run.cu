@@ -17,21 +17,8 @@ extern template void launch_forward<__nv_bfloat16>(const ForwardArgs&, const For
 extern template void launch_forward<__half>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
 extern template void launch_forward<float>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
 
-ForwardLaunch plan_forward(const ForwardParams& p, const detail::Plan& plan) {
-  return plan_forward_launch(p, plan, device_info(plan.pr.device_index), tuning());
-}
-
-void forward(const ForwardParams& p, const detail::Plan& plan, const ForwardLaunch& fp, void* workspace,
-             std::size_t workspace_bytes, void* stream) {
+ForwardArgs forward_args(const ForwardParams& p, const detail::Plan& plan, const ForwardLaunch& fp, char* ws) {
   const Problem& pr = plan.pr;
-  if (workspace_bytes < fp.total || (fp.total > 0 && workspace == nullptr)) {
-    throw InvalidArgument("workspace", "needs " + std::to_string(fp.total) + " bytes, got " +
-                                           std::to_string(workspace_bytes) + (workspace ? "" : " (null pointer)"));
-  }
-  // No sequences: still the padded token tail's zero rows (varlen; tail_slots, or the slots' bound).
-  if (pr.N == 0 && fp.slots + fp.tail_slots == 0) return;
-  DeviceGuard guard(pr.device_index);
-  char* ws = static_cast<char*>(workspace);
   ForwardArgs a;
   fill_kda_args(a, p.in, pr);
   a.q = token_rows(p.in.q);
@@ -97,6 +84,24 @@ void forward(const ForwardParams& p, const detail::Plan& plan, const ForwardLaun
     a.inter_sh = p.intermediate_states.strides[2];
   }
   a.out = token_rows(p.out);
+  return a;
+}
+
+ForwardLaunch plan_forward(const ForwardParams& p, const detail::Plan& plan) {
+  return plan_forward_launch(p, plan, device_info(plan.pr.device_index), tuning());
+}
+
+void forward(const ForwardParams& p, const detail::Plan& plan, const ForwardLaunch& fp, void* workspace,
+             std::size_t workspace_bytes, void* stream) {
+  const Problem& pr = plan.pr;
+  if (workspace_bytes < fp.total || (fp.total > 0 && workspace == nullptr)) {
+    throw InvalidArgument("workspace", "needs " + std::to_string(fp.total) + " bytes, got " +
+                                           std::to_string(workspace_bytes) + (workspace ? "" : " (null pointer)"));
+  }
+  // No sequences: still the padded token tail's zero rows (varlen; tail_slots, or the slots' bound).
+  if (pr.N == 0 && fp.slots + fp.tail_slots == 0) return;
+  DeviceGuard guard(pr.device_index);
+  const ForwardArgs a = forward_args(p, plan, fp, static_cast<char*>(workspace));
   auto s = static_cast<cudaStream_t>(stream);
   switch (p.in.q.dtype) {
     case DType::kBFloat16: launch_forward<__nv_bfloat16>(a, fp.cfg, s); break;

@@ -17,6 +17,7 @@ struct ForwardConfig {
   int BV = 64;             // value columns per recurrence CTA: 16, 32, 64, 128
   bool one_stage = false;  // the recurrence without its prefetch stage (devices with less shared memory)
   bool wgmma = false;      // the recurrence by warpgroup MMAs (sm_90, bf16, chunk 64, K <= 128, BV 64 or 128)
+  bool prepare_only = false;  // the chunk offsets and the prepare kernel alone (the backward with saved states)
 };
 
 // Shared memory per block (bytes) the forward's kernels need for a configuration.

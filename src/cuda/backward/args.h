@@ -1,0 +1,50 @@
+// Kernel arguments of the CUDA backward's own kernels, filled on the host (backward/run.cu) from kdakit::BackwardParams
+// and the call's plan (backward/plan.h). The forward's prepare and state pass take ForwardArgs.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/common/args.h"
+
+namespace kdakit::cuda {
+
+// The chunk-start states: the forward's, recomputed into the workspace (fp32), or the caller's saved ones
+// (BackwardParams::chunk_states, any float dtype); [B|1, NT, HV, *, *] in the layout of BackwardParams::layout.
+struct ChunkStates : DynPtr {
+  int64_t sb = 0, sc = 0, sh = 0;
+  // The block of chunk ci of sequence n (batch row b, global chunk slot `slot`).
+  __host__ __device__ __forceinline__ int64_t block(bool varlen, int64_t b, int64_t ci, int64_t slot, int hv) const {
+    return (varlen ? slot * sc : b * sb + ci * sc) + hv * sh;
+  }
+};
+
+struct BackwardArgs : KdaArgs {
+  TokenRows q, k, v, g, beta, d_out;  // inputs (q, k, v of the kernels' InT; the rest of any float dtype)
+  TokenRows dq, dk, dv, dg, dbeta;    // gradients, any float dtype
+  DynPtr dA_log, ddt_bias;            // gradients (absent without A_log / dt_bias or a pre-gated g)
+  StateRef d_final, d_initial;        // [N,HV,*,*]; absent without dht / an initial state
+  bool vk = false;                    // state layout [V,K]
+  int chunk = 64, KP = 64, VP = 64;
+  int nks = 1;                        // 16-key slices of the gradient kernel
+  int64_t* chunk_offsets = nullptr;   // [N+1], the forward's chunk-offsets kernel
+  int64_t num_slots = 0;              // chunk slots (an upper bound of the chunks)
+
+  // The forward's prepare tiles (Elem: bf16 for bf16 inputs, else float; the layouts of ForwardArgs).
+  const void *ws_w = nullptr, *ws_qg = nullptr, *ws_kg = nullptr, *ws_u = nullptr, *ws_a = nullptr,
+             *ws_alo = nullptr;
+  const float* ws_gam = nullptr;  // [slot][HV][KP]
+  const float* ws_tm = nullptr;   // [slot][HV][C][C]
+  ChunkStates h;
+
+  // The backward's own workspace (backward/plan.h has the shapes).
+  float *ws_dh = nullptr, *ws_dvnew = nullptr, *ws_vnew = nullptr, *ws_dbv = nullptr, *ws_dP = nullptr,
+        *ws_dL = nullptr, *ws_dq = nullptr, *ws_dk = nullptr, *ws_dbeta = nullptr, *ws_dA = nullptr,
+        *ws_ddt = nullptr;
+
+  // Chunk slot s's tile index (s, hv) of the [slot][HV] workspace parts.
+  __host__ __device__ __forceinline__ int64_t tile(int64_t slot, int hv) const { return slot * HV + hv; }
+  // The token row b * T + t of the [row][HV] workspace parts.
+  __host__ __device__ __forceinline__ int64_t row(int64_t b, int64_t t) const { return b * T + t; }
+};
+
+}  // namespace kdakit::cuda

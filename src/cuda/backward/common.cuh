@@ -1,0 +1,74 @@
+// What the backward's kernels share: a chunk slot's sequence and rows, the forward's workspace tiles as floats, the
+// gate in natural-log units (the CPU's functions, spec §2.2), and a deterministic block sum.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common/kda_math.h"
+#include "cuda/backward/args.h"
+#include "cuda/backward/tile_size.h"
+#include "cuda/common/math.cuh"
+#include "cuda/common/seqlen.cuh"
+
+namespace kdakit::cuda {
+
+// Chunk slot `slot`: its sequence n (batch row b, first token t0, length len), its index ci in the sequence, its first
+// token row0 and its rows. False past the last chunk.
+struct ChunkOf {
+  int n = 0, nrows = 0;
+  int64_t b = 0, t0 = 0, len = 0, ci = 0, row0 = 0;
+};
+__device__ __forceinline__ bool chunk_of(const BackwardArgs& a, int64_t slot, ChunkOf& c) {
+  if (slot >= a.chunk_offsets[a.N]) return false;
+  c.n = owner_of(a.chunk_offsets, a.N, slot);
+  sequence(a, c.n, c.b, c.t0, c.len);
+  c.ci = slot - a.chunk_offsets[c.n];
+  c.row0 = c.t0 + c.ci * a.chunk;
+  c.nrows = static_cast<int>(min(static_cast<int64_t>(a.chunk), c.len - c.ci * a.chunk));
+  return true;
+}
+
+// Element i of a forward workspace tile of Elem (bf16 or float).
+template <typename Elem>
+__device__ __forceinline__ float tile_at(const void* p, int64_t i) {
+  return to_float(static_cast<const Elem*>(p)[i]);
+}
+
+// Element (row, col) of a token tensor of element type T at row offset `off` (TokenRows::offset).
+template <typename T>
+__device__ __forceinline__ float token_at(const TokenRows& t, int64_t off, int col) {
+  return to_float(static_cast<const T*>(t.p)[off + col]);
+}
+
+// The gate of key d at token (b, t) of v-head hv in natural-log units, and x = g + dt_bias (the raw input of the
+// in-kernel gate).
+__device__ __forceinline__ float gate_at(const KdaArgs& a, const TokenRows& g, int64_t b, int64_t t, int hv, int d,
+                                         float* x_out = nullptr) {
+  const float raw = g.load(g.offset(b, t, hv) + d);
+  if (a.gate_mode == GateMode::kPreGated) {
+    if (x_out) *x_out = raw;
+    return raw;
+  }
+  const float x = raw + (a.dt_bias.present() ? a.dt_bias.load(int64_t(hv) * a.K + d) : 0.f);
+  if (x_out) *x_out = x;
+  const float A = a.A_log.present() ? a.A_log.load(hv) : 0.f;
+  return math::gate_value<float>(static_cast<int>(a.gate_mode), x, A, a.A_log.present(), a.lower_bound);
+}
+
+// The sum of every thread's v over the block, the same bits on every run (warp butterflies, then the warps in order);
+// every thread gets it. `scratch` holds kBwdRowGroups floats; the call ends with a barrier.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  const int warp = threadIdx.x >> 5;
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[warp] = v;
+  __syncthreads();
+  float s = 0.f;
+#pragma unroll
+  for (int w = 0; w < kBwdRowGroups; ++w) s += scratch[w];
+  __syncthreads();
+  return s;
+}
+
+}  // namespace kdakit::cuda

@@ -1,0 +1,51 @@
+// The launches of the backward's own kernels for one input dtype (instantiated per dtype in backward/instantiations/),
+// after the forward's prepare and state pass (backward/run.cu): the reverse state scan, the WY pass, the gradient
+// kernel and the reductions. bf16 inputs read the forward's bf16 tiles, float16 and float32 inputs its float tiles.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "cuda/backward/grad_sm80.cuh"
+#include "cuda/backward/plan.h"
+#include "cuda/backward/reduce.cuh"
+#include "cuda/backward/scan_sm80.cuh"
+#include "cuda/backward/wy_sm80.cuh"
+#include "cuda/device.h"
+
+namespace kdakit::cuda {
+
+template <typename InT>
+void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream_t stream) {
+  using Elem = typename std::conditional<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16, float>::type;
+  if (a.N > 0) {
+    auto scan = backward_scan_kernel<Elem>;
+    set_dynamic_smem(reinterpret_cast<const void*>(scan), bl.smem.scan);
+    const int64_t ctas = int64_t(a.N) * a.HV * bl.vt;
+    scan<<<static_cast<unsigned>(ctas), kBwdThreads, bl.smem.scan, stream>>>(a);
+    check_launch("backward_scan_kernel");
+  }
+  if (bl.slots > 0) {
+    auto wy = backward_wy_kernel<InT, Elem>;
+    set_dynamic_smem(reinterpret_cast<const void*>(wy), bl.smem.wy);
+    wy<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV)), kBwdThreads, bl.smem.wy, stream>>>(a);
+    check_launch("backward_wy_kernel");
+    auto grad = backward_grad_kernel<InT>;
+    set_dynamic_smem(reinterpret_cast<const void*>(grad), bl.smem.grad);
+    grad<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV), static_cast<unsigned>(bl.nks)),
+           kBwdThreads, bl.smem.grad, stream>>>(a);
+    check_launch("backward_grad_kernel");
+  }
+  if (bl.rows > 0) {
+    backward_tokens_kernel<InT><<<static_cast<unsigned>(bl.rows), kBwdThreads, kBwdRowGroups * sizeof(float),
+                                   stream>>>(a);
+    check_launch("backward_tokens_kernel");
+  }
+  if (a.dA_log.present() || a.ddt_bias.present()) {
+    backward_params_kernel<InT><<<static_cast<unsigned>(a.HV), kBwdThreads, 0, stream>>>(a);
+    check_launch("backward_params_kernel");
+  }
+}
+
+}  // namespace kdakit::cuda

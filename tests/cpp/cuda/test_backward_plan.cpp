@@ -1,0 +1,190 @@
+// The CUDA backward's launch planner (src/cuda/backward/plan.cpp) as a pure function: the forward pass it runs (the
+// forward's plan, prepare-only with saved states), its kernels' tiles and shared memory, the fit on smaller GPUs, the
+// workspace layout and the dtype checks, for device facts given here (no GPU, no environment overrides).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "common/plan.h"
+#include "cuda/backward/plan.h"
+#include "cuda/device.h"
+#include "cuda/forward/plan.h"
+#include "cuda/tuning.h"
+#include "device_views.h"
+
+namespace kdakit::test {
+namespace {
+
+using cuda::BackwardLaunch;
+using cuda::DeviceInfo;
+using cuda::Tuning;
+
+struct BackwardCase {
+  DeviceInputs x;
+  BackwardParams p;
+  std::vector<int64_t> cu_host;
+  BackwardCase(int64_t B, int64_t T, int64_t H, int64_t HV = 0, int64_t K = 128, int64_t V = 128,
+               DType dtype = DType::kBFloat16, int chunk = 64)
+      : x(B, T, H, HV ? HV : H, K, V, dtype) {
+    const int64_t hv = HV ? HV : H;
+    init(B, T, H, hv, K, V, dtype, B);
+    p.chunk_size = chunk;
+  }
+  // Varlen (B = 1), the lengths known on the host unless host_lengths is false.
+  BackwardCase(const std::vector<int64_t>& lens, int64_t H, bool host_lengths)
+      : x(1, total(lens), H, H, 128, 128, DType::kBFloat16, static_cast<int64_t>(lens.size())) {
+    const int64_t N = static_cast<int64_t>(lens.size());
+    cu_host.assign(1, 0);
+    for (const int64_t l : lens) cu_host.push_back(cu_host.back() + l);
+    init(1, total(lens), H, H, 128, 128, DType::kBFloat16, N);
+    if (host_lengths) p.in.cu_seqlens_host = make_view(cu_host.data(), DType::kInt64, {N + 1});
+  }
+  void init(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, DType dtype, int64_t N) {
+    p.in = x.in;
+    p.initial_state = device_view(DType::kFloat32, {N, HV, K, V});
+    p.d_initial_state = device_view(DType::kFloat32, {N, HV, K, V});
+    p.d_final_state = device_view(DType::kFloat32, {N, HV, K, V});
+    p.d_out = device_view(dtype, {B, T, HV, V});
+    p.dq = device_view(dtype, {B, T, H, K});
+    p.dk = device_view(dtype, {B, T, H, K});
+    p.dv = device_view(dtype, {B, T, HV, V});
+    p.dg = device_view(dtype, {B, T, HV, K});
+    p.dbeta = device_view(dtype, {B, T, HV});
+    p.dA_log = device_view(DType::kFloat32, {HV});
+    p.ddt_bias = device_view(DType::kFloat32, {HV * K});
+  }
+  static int64_t total(const std::vector<int64_t>& lens) {
+    int64_t t = 0;
+    for (const int64_t l : lens) t += l;
+    return t;
+  }
+  detail::Plan plan() const { return detail::plan_backward(p); }
+  BackwardLaunch launch(const DeviceInfo& dev = kH200, const Tuning& tune = Tuning()) const {
+    return cuda::plan_backward_launch(p, plan(), dev, tune);
+  }
+};
+
+// Every part of the workspace is 256-byte aligned, holds its bytes, overlaps no other, and comes after the forward's.
+void expect_workspace_layout(const BackwardLaunch& b, const BackwardParams& p, const Problem& pr) {
+  const std::size_t C = p.chunk_size, tiles = static_cast<std::size_t>(b.slots) * pr.HV;
+  const std::size_t rows = static_cast<std::size_t>(b.rows) * pr.HV, K = pr.K, V = pr.V;
+  struct Part { std::size_t off, bytes; const char* name; };
+  std::vector<Part> parts = {{b.off_tm, tiles * C * C * 4, "Tm"},
+                             {b.off_out, rows * V * dtype_size(p.in.q.dtype), "forward outputs"},
+                             {b.off_dh, tiles * K * V * 4, "dh"},
+                             {b.off_dvnew, tiles * C * V * 4, "dv_new"},
+                             {b.off_vnew, tiles * C * V * 4, "v_new"},
+                             {b.off_dbv, tiles * C * V * 4, "dbv"},
+                             {b.off_dP, tiles * C * C * 4, "dP"},
+                             {b.off_dL, tiles * C * C * 4, "dL"},
+                             {b.off_dq, rows * K * 4, "dq"},
+                             {b.off_dk, rows * K * 4, "dk"},
+                             {b.off_dbeta, rows * (1 + b.nks) * 4, "dbeta"},
+                             {b.off_dA, tiles * b.nks * 4, "dA_log"},
+                             {b.off_ddt, tiles * K * 4, "ddt_bias"}};
+  if (b.recompute_states) parts.push_back({b.off_h, tiles * K * V * 4, "chunk states"});
+  std::sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) { return x.off < y.off; });
+  EXPECT_GE(parts.front().off, b.fwd.total) << "the forward's workspace comes first";
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    EXPECT_EQ(parts[i].off % 256, 0u) << parts[i].name;
+    const std::size_t end = parts[i].off + parts[i].bytes;
+    EXPECT_LE(end, i + 1 < parts.size() ? parts[i + 1].off : b.total) << parts[i].name << " overlaps the next part";
+  }
+}
+
+TEST(BackwardPlan, RunsTheForwardsPlanAndRecomputesTheStates) {
+  const BackwardCase c(2, 4096, 8);
+  const BackwardLaunch b = c.launch();
+  const cuda::ForwardLaunch f =
+      cuda::plan_forward_launch(cuda::backward_forward_params(c.p), c.plan(), kH200, Tuning());
+  EXPECT_TRUE(b.recompute_states);
+  EXPECT_FALSE(b.fwd.cfg.prepare_only);
+  EXPECT_EQ(b.fwd.cfg.KP, f.cfg.KP);
+  EXPECT_EQ(b.fwd.cfg.BV, f.cfg.BV);
+  EXPECT_EQ(b.fwd.total, f.total);
+  EXPECT_EQ(b.slots, 2 * 64);
+  EXPECT_EQ(b.rows, 2 * 4096);
+  expect_workspace_layout(b, c.p, c.plan().pr);
+}
+
+TEST(BackwardPlan, SavedStatesRunThePrepareOnly) {
+  BackwardCase c(2, 1000, 4, 8, 64, 64);
+  c.p.chunk_states = device_view(DType::kFloat32, {2, 16, 8, 64, 64});
+  const BackwardLaunch b = c.launch();
+  EXPECT_FALSE(b.recompute_states);
+  EXPECT_TRUE(b.fwd.cfg.prepare_only);
+  expect_workspace_layout(b, c.p, c.plan().pr);
+  BackwardCase r(2, 1000, 4, 8, 64, 64);
+  EXPECT_LT(b.total, r.launch().total) << "no chunk states in the workspace";
+}
+
+TEST(BackwardPlan, TilesAndSlicesCoverOddHeadSizes) {
+  for (const auto& kv : std::vector<std::pair<int64_t, int64_t>>{{16, 16}, {60, 100}, {100, 60}, {256, 256}}) {
+    const BackwardCase c(1, 300, 2, 4, kv.first, kv.second);
+    const BackwardLaunch b = c.launch();
+    EXPECT_EQ(b.vt, (kv.second + 31) / 32);
+    EXPECT_EQ(b.nks, (kv.first + 15) / 16);
+    EXPECT_EQ(b.fwd.cfg.KP, kv.first <= 64 ? 64 : (kv.first <= 128 ? 128 : 256));
+    expect_workspace_layout(b, c.p, c.plan().pr);
+  }
+}
+
+TEST(BackwardPlan, SharedMemoryFitsAmpereAdaAndHopper) {
+  for (const DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (const int chunk : {32, 64}) {
+      const BackwardCase c(1, 256, 1, 1, 256, 256, dt, chunk);
+      const BackwardLaunch b = c.launch(kH200);
+      EXPECT_EQ(b.smem.scan, cuda::bwd_scan_smem(chunk, 256));
+      EXPECT_EQ(b.smem.wy, cuda::bwd_wy_smem(chunk, 256));
+      EXPECT_EQ(b.smem.grad, cuda::bwd_grad_smem(chunk));
+      for (const std::size_t s : {b.smem.scan, b.smem.wy, b.smem.grad}) EXPECT_LE(s, kAda.smem_optin);
+    }
+  }
+  // bf16 K = 128 on Ada (99 KB), float32 K = 128 on an A100 (163 KB): the forward's kernels fit there too.
+  EXPECT_NO_THROW(BackwardCase(1, 256, 1, 1, 128, 128).launch(kAda));
+  EXPECT_NO_THROW(BackwardCase(1, 256, 1, 1, 128, 128, DType::kFloat32).launch(kA100));
+}
+
+TEST(BackwardPlan, TooLittleSharedMemoryIsACudaError) {
+  // bf16, K = 64, chunk 64: the forward's kernels fit 80 KB, the backward's gradient kernel (about 90 KB) does not.
+  Tuning small;
+  small.smem_limit = 80 * 1024;
+  const BackwardCase c(1, 256, 1, 1, 64, 64);
+  ASSERT_GT(cuda::bwd_grad_smem(64), static_cast<std::size_t>(small.smem_limit));
+  try {
+    c.launch(kH200, small);
+    FAIL() << "expected CudaError";
+  } catch (const CudaError& e) {
+    EXPECT_NE(std::string(e.what()).find("backward"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("chunk_size=32"), std::string::npos) << e.what();
+  }
+  BackwardCase c32(1, 256, 1, 1, 64, 64, DType::kBFloat16, 32);
+  EXPECT_NO_THROW(c32.launch(kH200, small));
+}
+
+TEST(BackwardPlan, VarlenSlotsExactWithHostLengthsAndBoundedWithout) {
+  const std::vector<int64_t> lens = {1, 15, 0, 64, 65, 300};
+  const BackwardCase known(lens, 2, true), device_only(lens, 2, false);
+  const BackwardLaunch a = known.launch(), b = device_only.launch();
+  EXPECT_EQ(a.slots, 1 + 1 + 0 + 1 + 2 + 5);
+  EXPECT_EQ(b.slots, (BackwardCase::total(lens) + 63) / 64 + 6);
+  EXPECT_GE(b.slots, a.slots);
+  expect_workspace_layout(a, known.p, known.plan().pr);
+  expect_workspace_layout(b, device_only.p, device_only.plan().pr);
+}
+
+TEST(BackwardPlan, KernelDtypesAreChecked) {
+  BackwardCase c(1, 64, 1);
+  c.p.in.v = device_view(DType::kFloat32, {1, 64, 1, 128});
+  try {
+    c.launch();
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("v:", 0), 0u) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace kdakit::test
