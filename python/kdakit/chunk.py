@@ -130,14 +130,16 @@ def chunk_kda(
                              out, return_intermediate_states, chunks, grad_inputs, serving, scale, gate, lb,
                              use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                              chunk_size, state_v_first)
-    if q.device.type == "cuda" and grad_inputs:
-        raise NotImplementedError(
-            "chunk_kda: the CUDA backward is not implemented yet; run the forward under torch.no_grad() or "
-            "torch.inference_mode(), or train on CPU tensors")
+    # disable_recompute: the forward also writes its chunk-start states in float32 for the backward to read (FLA's
+    # memory-for-time trade); only worth it when a backward follows.
+    save_states = bool(disable_recompute) and bool(grad_inputs)
+    if save_states:
+        cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu) if varlen else None
+        chunks = num_chunks(q.shape[1], q.shape[0], cu, chunk_size)
     o, ht, _ = torch.ops.kdakit.chunk_fwd(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, gate, lb,
         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, chunk_size,
-        state_v_first, output_final_state, -1)
+        state_v_first, output_final_state, chunks if save_states else -1, save_states)
     return o, (ht if output_final_state else None)
 
 
@@ -155,7 +157,7 @@ def _forward_only(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_
             o, ht, h = torch.ops.kdakit.chunk_fwd(
                 q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, gate, lb,
                 qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size, state_v_first, output_final_state,
-                chunks)
+                chunks, False)
         return forward_only(message, grad_inputs, o, ht if output_final_state else None, h)
 
     # Serving prefill: caller buffers and/or a state pool, in place.

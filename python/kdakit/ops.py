@@ -46,10 +46,12 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: O
               dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
               cu_seqlens_cpu: Optional[Tensor], scale: float, gate: int, lower_bound: float, qk_l2norm: bool,
               beta_sigmoid: bool, allow_neg_eigval: bool, safe_gate: bool, chunk_size: int, state_v_first: bool,
-              output_final_state: bool, num_chunks: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (o, final_state or empty, chunk-start states or empty); num_chunks < 0: no chunk states."""
+              output_final_state: bool, num_chunks: int, save_states: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (o, final_state or empty, chunk-start states or empty); num_chunks < 0: no chunk states. save_states:
+    the chunk states are float32, for the backward to read instead of recomputing them (disable_recompute)."""
     N = num_sequences(q, cu_seqlens)
-    o, ht, h = _chunk_outputs(q, v, N, output_final_state, num_chunks, state_v_first, cu_seqlens is not None, k.dtype)
+    o, ht, h = _chunk_outputs(q, v, N, output_final_state, num_chunks, state_v_first, cu_seqlens is not None,
+                              torch.float32 if save_states else k.dtype)
     p = _C.ForwardParams()
     fill_inputs(p.inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale, gate, lower_bound,
                 qk_l2norm, beta_sigmoid, allow_neg_eigval)
@@ -68,9 +70,11 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: O
 
 @chunk_fwd.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, gate, lower_bound,
-      qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size, state_v_first, output_final_state, num_chunks):
+      qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size, state_v_first, output_final_state, num_chunks,
+      save_states):
     N = num_sequences(q, cu_seqlens)
-    return _chunk_outputs(q, v, N, output_final_state, num_chunks, state_v_first, cu_seqlens is not None, k.dtype)
+    return _chunk_outputs(q, v, N, output_final_state, num_chunks, state_v_first, cu_seqlens is not None,
+                          torch.float32 if save_states else k.dtype)
 
 
 def _grad_like(x: Optional[Tensor], like: Tensor) -> Tensor:
@@ -80,11 +84,12 @@ def _grad_like(x: Optional[Tensor], like: Tensor) -> Tensor:
 @torch.library.custom_op("kdakit::chunk_bwd", mutates_args=())
 def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
               dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-              cu_seqlens_cpu: Optional[Tensor], d_out: Tensor, d_final_state: Optional[Tensor], scale: float,
-              gate: int, lower_bound: float, qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool,
-              safe_gate: bool, chunk_size: int, state_v_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                               Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, d_initial_state); absent ones are empty."""
+              cu_seqlens_cpu: Optional[Tensor], d_out: Tensor, d_final_state: Optional[Tensor],
+              chunk_states: Optional[Tensor], scale: float, gate: int, lower_bound: float, qk_l2norm: bool,
+              beta_sigmoid: bool, allow_neg_eigval: bool, safe_gate: bool, chunk_size: int,
+              state_v_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, d_initial_state); absent ones are empty. chunk_states: the
+    forward's saved chunk-start states (float32), read instead of recomputed, or None."""
     gate_in_kernel = gate != PRE_GATED
     dq, dk, dv, dg, db = (torch.empty_like(x) for x in (q, k, v, g, beta))
     dA = _grad_like(A_log if gate_in_kernel else None, q)
@@ -99,6 +104,7 @@ def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: O
     p.safe_gate = safe_gate
     p.d_out = view(d_out)
     p.d_final_state = view(d_final_state)
+    p.chunk_states = view(chunk_states)
     p.dq, p.dk, p.dv, p.dg, p.dbeta = view(dq), view(dk), view(dv), view(dg), view(db)
     if A_log is not None and gate_in_kernel:
         p.dA_log = view(dA)
@@ -113,8 +119,9 @@ def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: O
 
 
 @chunk_bwd.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, d_out, d_final_state, scale, gate,
-      lower_bound, qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size, state_v_first):
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, d_out, d_final_state,
+      chunk_states, scale, gate, lower_bound, qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size,
+      state_v_first):
     gate_in_kernel = gate != PRE_GATED
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta),
             _grad_like(A_log if gate_in_kernel else None, q), _grad_like(dt_bias if gate_in_kernel else None, q),
@@ -123,26 +130,28 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cp
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *args) = inputs
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
-    ctx.args = args  # scale, gate, lower_bound, qk_l2norm, beta_sigmoid, neg, safe, chunk, v_first, final, chunks
+    save_states = args[-1]
+    h = output[2] if save_states else None  # float32 chunk states, saved (disable_recompute)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, h)
+    ctx.args = args  # scale, gate, lower_bound, qk_l2norm, beta_sigmoid, neg, safe, chunk, v_first, final, chunks, save
 
 
 def _backward(ctx, d_out, d_final_state, d_h):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, h = ctx.saved_tensors
     (scale, gate, lower_bound, qk_l2norm, beta_sigmoid, neg, safe, chunk_size, v_first, output_final_state,
-     _num_chunks) = ctx.args
+     _num_chunks, _save_states) = ctx.args
     if not output_final_state:
         d_final_state = None
     dq, dk, dv, dg, db, dA, dbias, dh0 = chunk_bwd(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, d_out.contiguous(),
-        d_final_state.contiguous() if d_final_state is not None else None, scale, gate, lower_bound, qk_l2norm,
+        d_final_state.contiguous() if d_final_state is not None else None, h, scale, gate, lower_bound, qk_l2norm,
         beta_sigmoid, neg, safe, chunk_size, v_first)
     gate_in_kernel = gate != PRE_GATED
     return (dq, dk, dv, dg, db,
             dA if (A_log is not None and gate_in_kernel) else None,
             dbias if (dt_bias is not None and gate_in_kernel) else None,
             dh0 if initial_state is not None else None,
-            None, None) + (None,) * 11
+            None, None) + (None,) * 12
 
 
 torch.library.register_autograd("kdakit::chunk_fwd", _backward, setup_context=_setup_context)

@@ -337,6 +337,7 @@ NB_MODULE(_C, m) {
       .def_rw("safe_gate", &BackwardParams::safe_gate)
       .def_rw("d_out", &BackwardParams::d_out)
       .def_rw("d_final_state", &BackwardParams::d_final_state)
+      .def_rw("chunk_states", &BackwardParams::chunk_states)
       .def_rw("dq", &BackwardParams::dq)
       .def_rw("dk", &BackwardParams::dk)
       .def_rw("dv", &BackwardParams::dv)

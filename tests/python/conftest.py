@@ -34,6 +34,35 @@ def device(request):
     return request.param
 
 
+def dA_log_terms(dg_raw, g, dt_bias, A_log, lower_bound):
+    """Per v-head, the sum of the magnitudes of the terms whose sum is dA_log: |dg_raw * (d gate/d A_log) / (d gate/d x)|
+    over tokens and keys, x = g + dt_bias (spec §4.2 B8). dA_log is a cancelling sum (the terms reach 10^4 times it on
+    FLA's recipe with strong softplus gates), so its error is measured against this (float64, CPU)."""
+    import torch
+
+    x = g.detach().double().cpu()
+    HV, K = x.shape[-2], x.shape[-1]
+    if dt_bias is not None:
+        x = x + dt_bias.detach().double().cpu().reshape(HV, K)
+    if lower_bound is None:  # softplus gate: ratio softplus(x) / sigmoid(x), FLA's threshold at 20
+        ratio = torch.where(x > 20, x, torch.nn.functional.softplus(x) / torch.sigmoid(x))
+    else:  # lower-bound gate: ratio x
+        ratio = x
+    terms = (dg_raw.detach().double().cpu() * ratio).abs()
+    return terms.reshape(-1, HV, K).sum(dim=(0, 2))
+
+
+def assert_close_cancelling(name, ref, got, magnitudes, tol):
+    """Every element's error within tol of the magnitudes of its terms (a cancelling sum such as dA_log)."""
+    __tracebackhide__ = True
+    import torch
+
+    got_d = got.detach().double().cpu().reshape(-1)
+    assert torch.isfinite(got_d).all(), f"{name}: NaN or Inf"
+    err = ((got_d - ref.detach().double().cpu().reshape(-1)).abs() / magnitudes.clamp_min(1e-300)).max().item()
+    assert err <= tol, f"{name}: error {err:.3e} of its terms' magnitude > {tol:.1e}"
+
+
 def same_bits(a, b) -> bool:
     """Bit-for-bit equality (NaN poison included), for tensors of one dtype and shape."""
     if a.dtype != b.dtype or a.shape != b.shape:

@@ -201,6 +201,23 @@ def test_chunk_return_intermediate_states(seed):
         kdakit.chunk_kda(*args, return_intermediate_states=True, disable_recompute=True)
 
 
+@pytest.mark.parametrize("cu", [None, [0, 100, 100, 230]])
+def test_chunk_disable_recompute_same_gradients(seed, cu):
+    """disable_recompute=True saves the forward's float32 chunk states for the backward (spec §4.1): the gradients do
+    not change (the CPU backward recomputes its states whatever is passed)."""
+    x = inputs(2 if cu is None else 1, 150, 2, 4, 32, cu=cu, use_gate=True)
+    cu_t = torch.tensor(cu) if cu is not None else None
+    got = []
+    for disable in (False, True):
+        leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
+        o, ht = kdakit.chunk_kda(*leaves[:5], initial_state=leaves[7], output_final_state=True, A_log=leaves[5],
+                                 dt_bias=leaves[6], use_gate_in_kernel=True, cu_seqlens=cu_t,
+                                 disable_recompute=disable)
+        got.append(torch.autograd.grad(o.square().sum() + ht.sum(), leaves))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+
+
 def test_chunk_serving_pool_in_place(seed):
     """Prefill reads and writes a state pool through slot indices; a -1 slot is padding (zero output rows, no state
     read or written) and unnamed slots stay untouched."""

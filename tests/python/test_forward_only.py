@@ -108,14 +108,10 @@ def test_chunk_kda_intermediate_states_in_grad_mode(seed, device):
         (o.sum() + h.sum()).backward()
 
 
-def test_plain_chunk_kda_keeps_its_gradients_or_its_cuda_error(seed, device):
+def test_plain_chunk_kda_keeps_its_gradients(seed, device):
     x = inputs(1, 40, 1, 1, 16)
     t = _leaves(x, device, None)
     q = t["q"].clone().requires_grad_()
-    if device == "cuda":
-        with pytest.raises(NotImplementedError, match="CUDA backward"):
-            kdakit.chunk_kda(q, t["k"], t["v"], t["g"], t["beta"])
-        return
     o, _ = kdakit.chunk_kda(q, t["k"], t["v"], t["g"], t["beta"])
     (dq,) = torch.autograd.grad(o.sum(), q)
     assert torch.isfinite(dq).all() and dq.abs().sum() > 0

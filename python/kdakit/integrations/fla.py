@@ -12,8 +12,7 @@ Hooks (FLA's names and signatures): `chunk_kda`, the whole chunked op, and `fuse
 verify (which FLA's `fused_recurrent_kda` calls). Each has a verifier that accepts only what kdakit serves on the
 call's device and rejects with a reason otherwise (FLA logs it once and runs its own kernel):
 
-- CPU tensors, or CUDA tensors with a CUDA build of kdakit; on CUDA no tensor may require grad in `chunk_kda` (the
-  CUDA backward is not implemented yet; FLA's Triton path trains);
+- CPU tensors, or CUDA tensors with a CUDA build of kdakit (training included: both have a backward);
 - no `cp_context`, no `use_graph` (FLA's capture-friendly chunk lists), no keyword FLA would swallow;
 - q and k of one dtype, `1 <= K, V <= 256`, `HV % H == 0`, `chunk_size` 32 or 64; on CUDA q, k, v of one dtype in
   {bf16, fp16, fp32} and g, beta, A_log, dt_bias each in one of the three (spec §5.2); states in fp32 or bf16;
@@ -48,9 +47,6 @@ _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _CHUNK_KWARGS = {"A_log", "dt_bias", "chunk_size", "transpose_state_layout"}
 _registered: list = []
 
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def _check_common(q, k, v, g, beta, extra, states) -> Optional[str]:
@@ -96,8 +92,6 @@ def _verify_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final
     if kwargs.get("chunk_size", 64) not in (32, 64):
         return False, f"chunk_size must be 32 or 64, got {kwargs.get('chunk_size')}"
     A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
-    if q.device.type == "cuda" and _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
-        return False, "kdakit's CUDA backward is not implemented yet (the forward is served under no_grad)"
     reason = _check_common(q, k, v, g, beta, (A_log, dt_bias), (("initial_state", initial_state),))
     return (False, reason) if reason else (True, None)
 

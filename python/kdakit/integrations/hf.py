@@ -66,7 +66,7 @@ def chunk_kda(
     **kwargs,
 ):
     """HF's chunked KDA (prefill and training): pre-gated g, activated beta, scale `K^-0.5`, K-first states.
-    Returns `(o, final_state or None)`; differentiable (CPU; the CUDA backward is not implemented yet)."""
+    Returns `(o, final_state or None)`; differentiable (CPU and CUDA)."""
     cu_seqlens = _packed_boundaries(cu_seqlens, kwargs)
     reject_kwargs("chunk_kda", kwargs)
     return _chunk_kda(query, key, value, g, beta, initial_state=initial_state, output_final_state=output_final_state,

@@ -93,11 +93,8 @@ def _training_step(device, packed):
 @pytest.mark.parametrize("packed", [False, True])
 def test_training(seed, device, packed):
     """Gradients through the strided views, the fp32 gate and beta, against naive.py's float64 autograd oracle on
-    the CPU. On CUDA the backward is not implemented yet: the call raises NotImplementedError."""
-    if device == "cuda":
-        with pytest.raises(NotImplementedError, match="CUDA backward"):
-            _training_step(device, packed)
-        return
+    the CPU; the CUDA backward to the tolerance of its float32 kernels (1e-4)."""
+    tol = 1e-4 if device == "cuda" else 1e-5
     o, leaves, A_log, cu = _training_step(device, packed)
     do = torch.randn_like(o)
     grads = torch.autograd.grad((o * do).sum(), leaves)
@@ -106,9 +103,9 @@ def test_training(seed, device, packed):
                                           torch.float64)
     ro, _ = naive.kda(rq, rk, rv, rg, rbeta, None, None, l2=True, cu_seqlens=cu)
     ref_grads = torch.autograd.grad((ro * do.double()).sum(), ref_leaves)
-    assert_close("o", ro, o, 1e-5)
+    assert_close("o", ro, o, tol)
     for name, got, want in zip(("d_mixed", "d_gate_in", "d_b"), grads, ref_grads):
-        assert_close(name, want, got, 1e-5)
+        assert_close(name, want, got, tol)
 
 
 def test_kwargs():
