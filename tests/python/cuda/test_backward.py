@@ -2,12 +2,14 @@
 in float64), every gradient: float32 inputs to 1e-4 relative RMS, bfloat16 inputs no worse than FLA's own error
 against the same reference (when FLA is importable) and within FLA's test tolerances; NaN/Inf checks; determinism and
 batch invariance bit for bit; saved chunk states (disable_recompute) against recomputed ones."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kdakit
-from conftest import assert_close_cancelling, dA_log_terms, rel_rms, same_bits
+from conftest import dA_log_terms, rel_rms, same_bits
 
 pytestmark = pytest.mark.skipif(not kdakit.cuda_available(),
                                 reason="no CUDA device, or kdakit was built without CUDA kernels")
@@ -262,8 +264,11 @@ def test_torch_compile_training_step(seed):
         return (o * do).sum() + (ht * dht).sum()
 
     leaves = [x[n].detach().clone().requires_grad_() for n in LEAVES]
-    compiled = torch.compile(step, fullgraph=True)
-    got = torch.autograd.grad(compiled(*leaves), leaves)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # the custom ops trace by their fakes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.autograd.grad(compiled(*leaves), leaves)
     eager_leaves = [x[n].detach().clone().requires_grad_() for n in LEAVES]
     want = torch.autograd.grad(step(*eager_leaves), eager_leaves)
     for n, g, w in zip(LEAVES, got, want):
