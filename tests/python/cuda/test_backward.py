@@ -105,11 +105,10 @@ def errors(got, ref, x):
     for n, r in ref.items():
         g = got[n]
         assert torch.isfinite(g.double()).all(), f"d{n}: NaN or Inf"
-        if n == "A_log":
+        err[n] = rel_rms(g, r)
+        if n == "A_log":  # also against its terms' magnitudes: a cancelling sum (conftest.dA_log_terms)
             mags = dA_log_terms(ref["g"], x["g"], x.get("dt_bias"), x["A_log"], x["opts"]["lower_bound"])
-            err[n] = ((g.double().cpu() - r).abs() / mags.clamp_min(1e-300)).max().item()
-        else:
-            err[n] = rel_rms(g, r)
+            err["A_log (of its terms)"] = ((g.double().cpu() - r).abs() / mags.clamp_min(1e-300)).max().item()
     return err
 
 
@@ -181,7 +180,8 @@ def test_float16_inputs(seed, disable_recompute):
     ref = reference(x, do, dht, dtype=torch.float16)
     got = grads(x, do, dht, dtype=torch.float16, disable_recompute=disable_recompute)
     for n, e in errors(got, ref, x).items():
-        assert e <= FLA_TOL[n], f"d{n}: relative RMS error {e:.2e} > {FLA_TOL[n]:.0e}"
+        tol = FLA_TOL[n.split(" ")[0]]
+        assert e <= tol, f"d{n}: relative RMS error {e:.2e} > {tol:.0e}"
 
 
 BF16 = [
@@ -203,7 +203,8 @@ def _bf16_case(B, T, H, HV, K, V, gate, v_first):
 def test_bfloat16_within_fla_tolerances(seed, B, T, H, HV, K, V, gate, v_first):
     x, do, dht, ref = _bf16_case(B, T, H, HV, K, V, gate, v_first)
     for n, e in errors(grads(x, do, dht, dtype=torch.bfloat16), ref, x).items():
-        assert e <= FLA_TOL[n], f"d{n}: relative RMS error {e:.2e} > FLA's tolerance {FLA_TOL[n]:.0e}"
+        tol = FLA_TOL[n.split(" ")[0]]
+        assert e <= tol, f"d{n}: relative RMS error {e:.2e} > FLA's tolerance {tol:.0e}"
 
 
 @pytest.mark.skipif(fla_chunk_kda is None, reason="FLA is not importable: kdakit's bf16 gradients are not compared "
@@ -213,9 +214,8 @@ def test_bfloat16_no_worse_than_fla(seed, B, T, H, HV, K, V, gate, v_first):
     x, do, dht, ref = _bf16_case(B, T, H, HV, K, V, gate, v_first)
     ours = errors(grads(x, do, dht, dtype=torch.bfloat16), ref, x)
     theirs = errors(grads(x, do, dht, dtype=torch.bfloat16, impl=fla_chunk_kda), ref, x)
-    for n, e in ours.items():
-        # No larger than FLA's error on the same inputs (5% and 1e-6 of slack for draws where both are at rounding).
-        assert e <= 1.05 * theirs[n] + 1e-6, f"d{n}: kdakit {e:.2e} > FLA {theirs[n]:.2e}"
+    for n, e in ours.items():  # no larger than FLA's error on the same inputs
+        assert e <= theirs[n], f"d{n}: kdakit {e:.2e} > FLA {theirs[n]:.2e}"
 
 
 def test_disable_recompute_gives_the_same_bits(seed):
