@@ -98,11 +98,11 @@ def test_training(seed, device, packed):
     o, leaves, A_log, cu = _training_step(device, packed)
     do = torch.randn_like(o)
     grads = torch.autograd.grad((o * do).sum(), leaves)
-    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    rq, rk, rv, rg, rbeta = _layer_inputs(ref_leaves[0], ref_leaves[1], A_log.double(), ref_leaves[2],
+    ref_leaves = [t.detach().double().cpu().requires_grad_() for t in leaves]
+    rq, rk, rv, rg, rbeta = _layer_inputs(ref_leaves[0], ref_leaves[1], A_log.detach().double().cpu(), ref_leaves[2],
                                           torch.float64)
-    ro, _ = naive.kda(rq, rk, rv, rg, rbeta, None, None, l2=True, cu_seqlens=cu)
-    ref_grads = torch.autograd.grad((ro * do.double()).sum(), ref_leaves)
+    ro, _ = naive.kda(rq, rk, rv, rg, rbeta, None, None, l2=True, cu_seqlens=None if cu is None else cu.cpu())
+    ref_grads = torch.autograd.grad((ro * do.double().cpu()).sum(), ref_leaves)
     assert_close("o", ro, o, tol)
     for name, got, want in zip(("d_mixed", "d_gate_in", "d_b"), grads, ref_grads):
         assert_close(name, want, got, tol)
