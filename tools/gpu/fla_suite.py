@@ -8,8 +8,8 @@
     python3 tools/gpu/fla_suite.py deselect
         the pytest -k expression that leaves the excluded tests out
     python3 tools/gpu/fla_suite.py summary JUNIT LOG OUT [FLA_COMMIT]
-        passed / failed / skipped, failing ids grouped; OUT/fla_suite.md and .json; exit 0 unless a failure is other
-        than a test that needs the CUDA backward or an FLA-only test
+        passed / failed / skipped, failing ids grouped; OUT/fla_suite.md and .json; exit 0 unless a test that calls
+        kdakit fails
 
 Only the imports of `chunk_kda`, `fused_recurrent_kda` and `fused_recurrent_kda_fwd` are rewritten; everything else
 (the float64 references `naive_recurrent_kda` / `naive_chunk_kda`, the gate references, `assert_close`, `device`) stays
@@ -43,7 +43,6 @@ EXCLUDED = {
 # say nothing about kdakit.
 FLA_ONLY = {"test_naive_chunk": "FLA's naive_chunk_kda against FLA's naive_recurrent_kda",
             "test_gate": "FLA's fused_kda_gate (kdakit has no standalone gate op, spec §2.4)"}
-BACKWARD_MARKERS = ("backward is not implemented", "CUDA backward")
 # pytest plugin for a run on the CPU (`-p fla_suite_cpu`, loaded before any conftest or test module): FLA picks its
 # device from Triton's active driver, which names CUDA on a machine with Triton's CUDA backend and no GPU.
 CPU_PLUGIN = """\
@@ -165,16 +164,13 @@ def _one_line(message: str) -> str:
 
 
 def group(rows) -> dict:
-    """Failing tests by kind: 'backward' (needs the CUDA backward of chunk_kda), 'fla-only' (no kdakit call),
-    'other'."""
-    groups = {"backward": [], "fla-only": [], "other": []}
+    """Failing tests by kind: 'fla-only' (no kdakit call), 'other'."""
+    groups = {"fla-only": [], "other": []}
     for r in rows:
         if r["outcome"] not in ("failed", "error"):
             continue
         if r["function"] in FLA_ONLY:
             groups["fla-only"].append(r)
-        elif any(m in r["message"] for m in BACKWARD_MARKERS):
-            groups["backward"].append(r)
         else:
             groups["other"].append(r)
     return groups
@@ -225,9 +221,8 @@ def summary(junit: Path, log: Path, out: Path, fla_commit: str = "") -> int:
             f"skipped, {deselected} deselected** (the exclusions below and any -k of the caller)"), "", "Excluded:",
            ""]
     md += [f"- `{name}`: {why}" for name, why in EXCLUDED.items()]
-    titles = {"backward": "Failing because they need the CUDA backward (gradients through chunk_kda on CUDA)",
-              "other": "Other failures", "fla-only": "Failures of FLA-only tests (no kdakit call)"}
-    for key in ("other", "backward", "fla-only"):
+    titles = {"other": "Failures of tests that call kdakit", "fla-only": "Failures of FLA-only tests (no kdakit call)"}
+    for key in ("other", "fla-only"):
         md += ["", f"{titles[key]}: {len(groups[key])}", ""]
         md += [f"- `{r['id']}`: {r['message'] or '(no message in the -v log)'}" for r in groups[key]]
     skips = {}

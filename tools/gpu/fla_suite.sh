@@ -12,8 +12,8 @@
 # pytest args pass through; a -k EXPR is combined with the exclusions. KDAKIT_FLA_SUITE_TIMEOUT: seconds for pytest
 # (default 480, so that a 10-minute machine call still gets its summary).
 # Writes to $OUT: fla_suite.diff (the rewrite, also printed), fla_suite_test_kda.py, fla_suite.log (pytest -v),
-# fla_suite.xml (JUnit), fla_suite.md / .json (summary, printed last). Exit status 0 when no failure is other than a
-# test that needs the CUDA backward (chunk_kda with gradients) or an FLA-only test, 1 otherwise, 2 when it cannot run.
+# fla_suite.xml (JUnit), fla_suite.md / .json (summary, printed last). Exit status 0 when no test that calls kdakit
+# fails (FLA-only tests aside), 1 otherwise, 2 when it cannot run.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 OUT=${OUT:-/tmp/kdakit-out}
