@@ -1,5 +1,5 @@
-"""Context parallelism (spec §7), the CPU side: the rank context, the token partition, its validation, and the exact
-cross-rank merge of the forward state.
+"""Context parallelism (spec §7, §7.6), the CPU side: the rank context, the token partition, its validation, and
+the exact cross-rank merge of the forward state.
 
 Each of `world_size` ranks holds an equal contiguous share of the packed global token stream; sequences crossing a
 share's edge are cut (spec §7.1). A cut piece maps the state it receives affinely, `S_out = M S_in + S_ext`

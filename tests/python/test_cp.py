@@ -111,7 +111,8 @@ def test_group_gives_rank_and_world_size():
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: cp.build_context([0, 4], rank=0, world_size=1), r"cu_seqlens_global: expected a 1-D integer tensor, got list"),
+    (lambda: cp.build_context([0, 4], rank=0, world_size=1),
+     r"cu_seqlens_global: expected a 1-D integer tensor, got list"),
     (lambda: cp.build_context(torch.zeros(2, 2, dtype=torch.int32), rank=0, world_size=1),
      r"cu_seqlens_global: expected a 1-D integer tensor, got 2-D of shape \(2, 2\)"),
     (lambda: cp.build_context(torch.tensor([0.0, 4.0]), rank=0, world_size=1),
