@@ -251,6 +251,18 @@ def test_simulated_forward_options(seed):
         assert_close("final_state", ref_ht, ht, TOL)
 
 
+def test_simulated_forward_safe_gate(seed):
+    """A pre-gated g with safe_gate and its bound (the bound changes nothing in the transition)."""
+    (q, k, v, g, beta), opts = inputs(96, 2, 2, 16, 16)
+    g = g.clamp(-5, 0)
+    cu = cu_of([40, 0, 56])
+    opts.update(safe_gate=True, lower_bound=-5.0)
+    ref_o, ref_ht = kdakit.chunk_kda(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu, **opts)
+    o, ht = cp._simulated_forward(q, k, v, g, beta, cu, 4, **opts)
+    assert_close("o", ref_o, o, TOL)
+    assert_close("final_state", ref_ht, ht, TOL)
+
+
 def test_simulated_forward_rejects_what_cp_has_not():
     x = torch.rand(1, 8, 1, 4)
     with pytest.raises(kdakit.InvalidArgumentError, match="initial_state: not taken"):
