@@ -14,7 +14,8 @@ int device_count();
 // Reads the developer overrides (KDAKIT_* environment variables, cuda/tuning.h) again.
 void reload_tuning();
 
-// The forward: planned once per call (workspace size and launch shapes), then run with the caller's workspace.
+// The forward: planned once per call (workspace size and launch shapes), then run with the caller's workspace, whose
+// size PlannedCall::run (src/core/api.cpp) has checked against the launch's total.
 ForwardLaunch plan_forward(const ForwardParams& p, const detail::Plan& plan);
 void forward(const ForwardParams& p, const detail::Plan& plan, const ForwardLaunch& launch, void* workspace,
              std::size_t workspace_bytes, void* stream);
