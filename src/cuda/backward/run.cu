@@ -15,12 +15,6 @@
 namespace kdakit::cuda {
 
 template <typename InT>
-void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t stream);
-extern template void launch_forward<__nv_bfloat16>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
-extern template void launch_forward<__half>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
-extern template void launch_forward<float>(const ForwardArgs&, const ForwardConfig&, cudaStream_t);
-
-template <typename InT>
 void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream_t stream);
 extern template void launch_backward<__nv_bfloat16>(const BackwardArgs&, const BackwardLaunch&, cudaStream_t);
 extern template void launch_backward<__half>(const BackwardArgs&, const BackwardLaunch&, cudaStream_t);
@@ -62,11 +56,7 @@ void backward(const BackwardParams& p, const detail::Plan& plan, const BackwardL
   if (pr.N > 0 || bl.slots + bl.fwd.tail_slots > 0) {
     ForwardArgs fa = forward_args(fwd, plan, bl.fwd, ws);
     fa.ws_tm = reinterpret_cast<float*>(ws + bl.off_tm);
-    switch (p.in.q.dtype) {
-      case DType::kBFloat16: launch_forward<__nv_bfloat16>(fa, bl.fwd.cfg, s); break;
-      case DType::kFloat16: launch_forward<__half>(fa, bl.fwd.cfg, s); break;
-      default: launch_forward<float>(fa, bl.fwd.cfg, s); break;
-    }
+    launch_forward_for(p.in.q.dtype, fa, bl.fwd.cfg, s);
   }
 
   // 3-5. The backward's kernels.

@@ -2,6 +2,8 @@
 // the call's plan (forward/plan.h).
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
 #include "cuda/common/args.h"
@@ -77,9 +79,13 @@ struct ForwardArgs : KdaArgs {
 };
 
 struct ForwardLaunch;  // forward/plan.h
+struct ForwardConfig;  // forward/tile_size.h
 
 // The kernel arguments of a planned forward call whose workspace starts at `ws` (forward/run.cu); the backward's
 // prepare and state pass run the forward's kernels with them.
 ForwardArgs forward_args(const ForwardParams& p, const detail::Plan& plan, const ForwardLaunch& fp, char* ws);
+
+// The forward's launches for inputs of dtype `in` (forward/run.cu; the kernels are instantiated per input dtype).
+void launch_forward_for(DType in, const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t stream);
 
 }  // namespace kdakit::cuda

@@ -87,6 +87,14 @@ ForwardArgs forward_args(const ForwardParams& p, const detail::Plan& plan, const
   return a;
 }
 
+void launch_forward_for(DType in, const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t stream) {
+  switch (in) {
+    case DType::kBFloat16: launch_forward<__nv_bfloat16>(a, cfg, stream); break;
+    case DType::kFloat16: launch_forward<__half>(a, cfg, stream); break;
+    default: launch_forward<float>(a, cfg, stream); break;
+  }
+}
+
 ForwardLaunch plan_forward(const ForwardParams& p, const detail::Plan& plan) {
   return plan_forward_launch(p, plan, device_info(plan.pr.device_index), tuning());
 }
@@ -98,12 +106,7 @@ void forward(const ForwardParams& p, const detail::Plan& plan, const ForwardLaun
   if (pr.N == 0 && fp.slots + fp.tail_slots == 0) return;
   DeviceGuard guard(pr.device_index);
   const ForwardArgs a = forward_args(p, plan, fp, static_cast<char*>(workspace));
-  auto s = static_cast<cudaStream_t>(stream);
-  switch (p.in.q.dtype) {
-    case DType::kBFloat16: launch_forward<__nv_bfloat16>(a, fp.cfg, s); break;
-    case DType::kFloat16: launch_forward<__half>(a, fp.cfg, s); break;
-    default: launch_forward<float>(a, fp.cfg, s); break;
-  }
+  launch_forward_for(p.in.q.dtype, a, fp.cfg, static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace kdakit::cuda
