@@ -1,11 +1,14 @@
-"""Benchmark: kdakit against FLA (and FlashKDA when importable), timed in one process on the same inputs.
+"""Benchmark: kdakit against FLA, NVIDIA cuDNN Frontend's Hopper KDA engine and FlashKDA (each when importable),
+timed in one process on the same inputs.
 
     python -m kdakit.bench [--out DIR] [--reps N] [--only NAME ...] [--forms FORM ...] [--list]
 
 Forward rows: bf16 inputs, gate (lower_bound -5), L2 norm and beta sigmoid in kernel, float32 initial state in
 and final state out, K = V = 128. Times are medians of CUDA-event timings with the L2 cache flushed before
-every run (--reps: 30 forward, 20 decode by default). The floor is the bytes that must move over the copy bandwidth
-measured in this process.
+every run (--reps: 30 forward, 20 decode and training by default). The floor is the bytes that must move over the copy
+bandwidth measured in this process. The cuDNN column is `cudnn.linear_attention.ops.kimi_delta_attention` pinned to
+its plan "kda_hopper_cuda" (Hopper only; PyPI `nvidia-cudnn-frontend` with `apache-tvm-ffi`), given the same tensors
+in its layouts (`kdakit.bench_peers` describes the call); its output and final state are compared with kdakit's.
 
 Decode rows (names start with "decode"; `--only decode` runs just them, `--forms` picks their forms):
 `fused_recurrent_kda_fwd` in place on a state pool, kdakit and FLA in the same form; the forms, the T = 1 and T = 4
@@ -13,16 +16,20 @@ Decode rows (names start with "decode"; `--only decode` runs just them, `--forms
 3 head configurations x 4 N); on an H100/H200 the whole matrix takes minutes (FLA compiles a kernel per form, pool,
 T and head configuration on its first call).
 
-Writes DIR/<device>.md (tables), DIR/bench_table.txt, DIR/<device>.png (forward), and with decode rows
-DIR/<device>-decode.json (every row, machine-readable) and DIR/<device>-decode.png. `--list` prints the selected
-rows and exits (no GPU needed).
+Training rows (names start with "train"; `--only train` runs just them): one forward and backward step of kdakit,
+FLA and cuDNN, with each step's time, peak extra memory and gradient differences; `kdakit.bench_train` says what
+each library's step includes.
+
+A peer that is not importable, or that raises on a row, leaves a dash in its column; the reason is printed once and
+listed under the tables. Writes DIR/<device>.md (tables), DIR/bench_table.txt, DIR/<device>.png (forward), and with
+decode rows DIR/<device>-decode.json (every row, machine-readable) and DIR/<device>-decode.png. `--list` prints the
+selected rows and exits (no GPU needed).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -31,7 +38,8 @@ from pathlib import Path
 import torch
 
 import kdakit
-from kdakit import bench_decode
+from kdakit import bench_decode, bench_peers, bench_train
+from kdakit.bench_peers import fla_runner, flashkda_runner  # noqa: F401  (tools call them through this module)
 
 FORWARD_SHAPES = [
     # name, B, T, H, HV, cu_seqlens lengths
@@ -45,6 +53,9 @@ FORWARD_SHAPES = [
     ("B1 T131072 H4", 1, 131072, 4, 4, None),
     ("B1 T512 H64", 1, 512, 64, 64, None),
     ("GVA H16 HV64 T8192", 1, 8192, 16, 64, None),
+    ("B1 T2048 H12", 1, 2048, 12, 12, None),
+    ("B32 T512 H16", 32, 512, 16, 16, None),
+    ("B1 T1048576 H4", 1, 1048576, 4, 4, None),
 ]
 D = 128
 
@@ -105,41 +116,6 @@ def run_kdakit(x, lib=None):
                          cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"])
 
 
-def fla_runner():
-    try:
-        os.environ.setdefault("FLA_FLASH_KDA", "0")  # FLA's own Triton kernels; FlashKDA is timed on its own
-        from fla.ops.kda import chunk_kda
-    except Exception as e:  # noqa: BLE001
-        print(f"FLA not importable: {e}")
-        return None
-
-    def run(x):
-        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
-                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                         safe_gate=True, lower_bound=-5.0, A_log=x["A_log"], dt_bias=x["dt_bias"],
-                         cu_seqlens=None if x["cu"] is None else x["cu"].long(), cu_seqlens_cpu=None
-                         if x["cu_cpu"] is None else x["cu_cpu"].long())
-    return run
-
-
-def flashkda_runner():
-    try:
-        import flash_kda  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return None
-
-    def run(x):
-        B, T, H, _ = x["q"].shape
-        out = torch.empty_like(x["v"])
-        final = torch.empty_like(x["h0"])
-        flash_kda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, out, A_log=x["A_log"],
-                      dt_bias=x["dt_bias"].view(H, D), lower_bound=-5.0,
-                      initial_state=x["h0"].transpose(-1, -2).contiguous(), final_state=final,
-                      cu_seqlens=None if x["cu"] is None else x["cu"].long())
-        return out, final
-    return run
-
-
 def rel_diff(a, b) -> float:
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -160,7 +136,8 @@ def git_commit() -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".")
-    ap.add_argument("--reps", type=int, default=None, help="timed runs per row (default 30 forward, 20 decode)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed runs per row (default 30 forward, 20 decode and training)")
     ap.add_argument("--only", nargs="*", default=None, help="substrings of row names to run")
     ap.add_argument("--forms", nargs="+", default=None, choices=bench_decode.FORM_NAMES, metavar="FORM",
                     help="decode forms to run (default all): " + ", ".join(bench_decode.FORM_NAMES))
@@ -174,15 +151,16 @@ def parse_args(argv=None):
 
 
 def selected_rows(args):
-    """(forward shapes, decode cases) that --only and --forms select."""
+    """(forward shapes, decode cases, training shapes) that --only and --forms select."""
     forward = [s for s in FORWARD_SHAPES if not args.only or any(o in s[0] for o in args.only)]
-    return forward, bench_decode.decode_cases(args.forms, args.only)
+    return forward, bench_decode.decode_cases(args.forms, args.only), bench_train.train_shapes(args.only)
 
 
 def forward_table(rows, with_flashkda: bool) -> str:
     head = (f"| shape | floor ms | kdakit ms | FLA ms | kdakit/FLA | kdakit/floor |"
-            f"{' FlashKDA ms |' if with_flashkda else ''} rel. diff vs FLA |")
-    sep = "|---" * (7 if with_flashkda else 6) + "|---|"
+            f"{' FlashKDA ms |' if with_flashkda else ''} cuDNN ms | kdakit/cuDNN | rel. diff vs FLA |"
+            f" cuDNN rel. diff |")
+    sep = "|---" * (10 if with_flashkda else 9) + "|---|"
     lines = [head, sep]
     fmt = bench_decode.fmt
     for r in rows:
@@ -191,12 +169,14 @@ def forward_table(rows, with_flashkda: bool) -> str:
                  fmt(ratio, "{:.2f}"), fmt(r["ours"] / r["floor"], "{:.1f}")]
         if with_flashkda:
             cells.append(fmt(r["fk"], "{:.3f}"))
-        cells.append(fmt(r["diff"], "{:.1e}"))
+        cells += [fmt(r["cudnn"], "{:.3f}"), fmt(r["ours"] / r["cudnn"] if r["cudnn"] else None, "{:.2f}"),
+                  fmt(r["diff"], "{:.1e}"), fmt(r["cudnn_diff"], "{:.1e}")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def bench_forward(shapes, reps, bw, flush, fla, fkda):
+def bench_forward(shapes, reps, bw, flush, fla, fkda, cudnn, notes):
+    """Forward rows; `cudnn` is cuDNN's `kimi_delta_attention` or None, `notes` records why a peer did not run."""
     rows = []
     torch.manual_seed(0)
     for name, B, T, H, HV, lens in shapes:
@@ -210,16 +190,29 @@ def bench_forward(shapes, reps, bw, flush, fla, fkda):
                 t_fla = time_ms(lambda: fla(x), reps, flush)
                 fo, fht = fla(x)
                 diff = rel_diff(o, fo)
+                del fo, fht
             t_fk = None
             if fkda is not None and lens is None:
                 try:
                     t_fk = time_ms(lambda: fkda(x), reps, flush)
                 except Exception as e:  # noqa: BLE001
-                    print(f"FlashKDA failed on {name}: {e}")
-        rows.append(dict(name=name, floor=floor, ours=t_ours, fla=t_fla, fk=t_fk, diff=diff))
-        print(f"{name:22s} kdakit {t_ours:8.3f} ms  FLA {t_fla if t_fla else float('nan'):8.3f} ms  "
-              f"floor {floor:6.3f} ms  diff vs FLA {diff if diff is not None else float('nan'):.1e}", flush=True)
-        del x
+                    notes(f"FlashKDA did not run on {name}: {bench_peers.error_text(e)}")
+            t_cd = cd_diff = None
+            if cudnn is not None:
+                try:
+                    call = bench_peers.cudnn_forward_call(cudnn, x)
+                    t_cd = time_ms(call, reps, flush)
+                    co, cht = call()
+                    cd_diff = max(rel_diff(co, o), rel_diff(cht, ht))
+                    del call, co, cht
+                except Exception as e:  # noqa: BLE001
+                    notes(f"cuDNN did not run on {name}: {bench_peers.error_text(e)}")
+        rows.append(dict(name=name, floor=floor, ours=t_ours, fla=t_fla, fk=t_fk, cudnn=t_cd, diff=diff,
+                         cudnn_diff=cd_diff))
+        fmt = bench_decode.fmt
+        print(f"{name:22s} kdakit {t_ours:8.3f} ms  FLA {fmt(t_fla, '{:8.3f}')} ms  cuDNN {fmt(t_cd, '{:8.3f}')} ms  "
+              f"floor {floor:6.3f} ms  diff vs FLA {fmt(diff, '{:.1e}')}", flush=True)
+        del x, o, ht
         torch.cuda.empty_cache()
     return rows
 
@@ -260,15 +253,33 @@ DECODE_INTRO = ("Decode (`fused_recurrent_kda_fwd` in place on a state pool; kda
                 f"with outputs and updated slots within {bench_decode.DIFF_FLAG:.0e} (relative RMS) of FLA's.")
 
 
+FORWARD_INTRO = ("Forward: bf16 inputs, gate (lower_bound -5), L2 norm and beta sigmoid in kernel, float32 initial "
+                 "state in and final state out, K = V = 128. cuDNN: NVIDIA cuDNN Frontend's Hopper engine (plan "
+                 "kda_hopper_cuda) on the same tensors as THD views, with int32 cu_seqlens and a v-first copy of h0 "
+                 "made before the timed calls; it converts bf16 g and beta to fp32 inside its call. rel. diff vs FLA: "
+                 "kdakit's output against FLA's; cuDNN rel. diff: the larger of its output's and final state's "
+                 "against kdakit's (relative RMS).")
+
+
+def notes_list(lines) -> str:
+    return "\n".join(f"- {line}" for line in lines)
+
+
+def list_rows(shapes, cases, train) -> None:
+    for s in shapes:
+        print(s[0])
+    for c in cases:
+        print(f"{c.name}  (pool slots {c.pool_slots}, state {c.state_bytes / 1e6:.1f} MB)")
+    for s in train:
+        print(s[0])
+    print(f"{len(shapes)} forward rows, {len(cases)} decode rows, {len(train)} training rows")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    shapes, cases = selected_rows(args)
+    shapes, cases, train = selected_rows(args)
     if args.list:
-        for s in shapes:
-            print(s[0])
-        for c in cases:
-            print(f"{c.name}  (pool slots {c.pool_slots}, state {c.state_bytes / 1e6:.1f} MB)")
-        print(f"{len(shapes)} forward rows, {len(cases)} decode rows")
+        list_rows(shapes, cases, train)
         return 0
     if not torch.cuda.is_available() or not kdakit.cuda_available():
         print("kdakit.bench needs a CUDA device and kdakit's CUDA kernels")
@@ -277,22 +288,30 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     bw = copy_bandwidth()
     flush = flush_buffer()
+    notes = bench_peers.Notes(lambda s: print(s, flush=True))
     rows = []
     fkda = None
     if shapes:
-        fla, fkda = fla_runner(), flashkda_runner()
-        rows = bench_forward(shapes, args.reps or 30, bw, flush, fla, fkda)
+        fla, fkda = fla_runner(notes), flashkda_runner(notes)
+        rows = bench_forward(shapes, args.reps or 30, bw, flush, fla, fkda, bench_peers.cudnn_kda(notes), notes)
     decode_rows = []
     if cases:
         fla_decode = bench_decode.fla_decode_runner()
         print(f"{len(cases)} decode rows")
         decode_rows = bench_decode.run_rows(cases, timer=time_ms, reps=args.reps or 20, bw=bw, flush=flush,
                                             fla=fla_decode, log=lambda s: print(s, flush=True))
+    train_rows = []
+    if train:
+        print(f"{len(train)} training rows")
+        train_rows = bench_train.run_rows(train, inputs=forward_inputs, timer=time_ms, reps=args.reps or 20,
+                                          flush=flush, notes=notes, rel_diff=rel_diff,
+                                          log=lambda s: print(s, flush=True))
 
     dev = torch.cuda.get_device_name()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    reps = " and ".join(f"{n} runs ({what})" for n, what, on in ((args.reps or 30, "forward", rows),
-                                                                 (args.reps or 20, "decode", decode_rows)) if on)
+    reps = ", ".join(f"{n} runs ({what})" for n, what, on in ((args.reps or 30, "forward", rows),
+                                                              (args.reps or 20, "decode", decode_rows),
+                                                              (args.reps or 20, "training", train_rows)) if on)
     meta = (f"{dev}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs; torch {torch.__version__}; "
             f"kdakit {kdakit.__version__} ({args.commit or git_commit()}); {stamp}; measured copy bandwidth "
             f"{bw / 1e12:.2f} TB/s (read + write); median of {reps or 'no runs'}, L2 flushed before each.")
@@ -300,8 +319,7 @@ def main(argv=None) -> int:
     text = meta + "\n"
     if rows:
         table = forward_table(rows, fkda is not None)
-        md += (f"\nForward: bf16 inputs, gate (lower_bound -5), L2 norm and beta sigmoid in kernel, float32 initial "
-               f"state in and final state out, K = V = 128.\n\n{table}\n")
+        md += f"\n{FORWARD_INTRO}\n\n{table}\n"
         text += table + "\n"
         try:
             plot_forward(rows, out / f"{device_slug()}.png", dev)
@@ -322,6 +340,13 @@ def main(argv=None) -> int:
             bench_decode.plot(decode_rows, out / f"{device_slug()}-decode.png", f"KDA decode, {dev}")
         except Exception as e:  # noqa: BLE001
             print(f"decode plot skipped: {e}")
+    if train_rows:
+        ttable = bench_train.train_table(train_rows)
+        md += f"\n{bench_train.INTRO}\n\n{ttable}\n"
+        text += ttable + "\n"
+    if notes.lines:
+        md += f"\nPeers and rows not run (a dash in the tables):\n\n{notes_list(notes.lines)}\n"
+        text += notes_list(notes.lines) + "\n"
     (out / f"{device_slug()}.md").write_text(md)
     (out / "bench_table.txt").write_text(text)
     print()

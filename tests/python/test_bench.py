@@ -1,15 +1,19 @@
-"""The benchmark's decode rows (kdakit.bench_decode) and the peer-suite helper (tools/gpu/fla_suite.py) on the CPU:
-the row matrix, every form's inputs, a row run end to end through kdakit's CPU path, the goal verdicts, the tables,
-the rewrite of FLA's test file and the summary of a JUnit file. Timings here are stand-ins; the GPU runs time."""
+"""The benchmark's decode rows (kdakit.bench_decode), forward and training rows (kdakit.bench, kdakit.bench_train),
+the peers' call forms (kdakit.bench_peers) and the peer-suite helper (tools/gpu/fla_suite.py) on the CPU: the row
+matrix, every form's inputs, a row run end to end through kdakit's CPU path, the goal verdicts, the tables, cuDNN's
+layouts and training inputs checked against kdakit's CPU path standing in for cuDNN's op, the rewrite of FLA's test
+file and the summary of a JUnit file. Timings here are stand-ins; the GPU runs time."""
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from kdakit import bench, bench_decode as bd  # noqa: E402
+import kdakit  # noqa: E402
+from kdakit import bench, bench_decode as bd, bench_peers as bp, bench_train as bt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -196,7 +200,183 @@ def test_tables_and_cli_listing(capsys):
     assert bd.errors_list(rows).count("fla: E: x") == 4
     assert bench.main(["--list", "--only", "decode T4 N1024", "--forms", "spare-slots"]) == 0
     out = capsys.readouterr().out
-    assert "decode T4 N1024 H32 fp32 spare-slots  (pool slots 8192" in out and "0 forward rows, 6 decode rows" in out
+    assert "decode T4 N1024 H32 fp32 spare-slots  (pool slots 8192" in out
+    assert "0 forward rows, 6 decode rows, 0 training rows" in out
+
+
+# --- forward and training rows, peers -------------------------------------------------------------------------------
+
+def test_rows_selected_by_only_and_listed(capsys):
+    names = [s[0] for s in bench.FORWARD_SHAPES]
+    assert len(set(names)) == len(names)
+    for new in ("B1 T2048 H12", "B32 T512 H16", "B1 T1048576 H4"):
+        assert new in names
+    assert dict((s[0], s[1:]) for s in bench.FORWARD_SHAPES)["B1 T1048576 H4"] == (1, 1048576, 4, 4, None)
+    assert [s[0] for s in bt.TRAIN_SHAPES] == ["train B1 T8192 H64", "train B2 T4096 H32", "train B8 T4096 H32",
+                                               "train varlen6 H64", "train GVA H16 HV64 T8192",
+                                               "train B1 T65536 H8"]
+    assert dict((s[0], s[5]) for s in bt.TRAIN_SHAPES)["train varlen6 H64"] == [1300, 547, 2048, 963, 271, 3063]
+    shapes, cases, train = bench.selected_rows(bench.parse_args(["--only", "train"]))
+    assert shapes == [] and cases == [] and train == bt.TRAIN_SHAPES
+    # A shape's name selects its forward row and its training row.
+    shapes, cases, train = bench.selected_rows(bench.parse_args(["--only", "B8 T4096 H32"]))
+    assert [s[0] for s in shapes] == ["B8 T4096 H32"] and [s[0] for s in train] == ["train B8 T4096 H32"]
+    assert cases == []
+    assert bench.main(["--list", "--only", "train"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [s[0] for s in bt.TRAIN_SHAPES] + ["0 forward rows, 0 decode rows, 6 training rows"]
+    assert bench.main(["--list", "--only", "T1048576", "train B1 T65536"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["B1 T1048576 H4", "train B1 T65536 H8", "1 forward rows, 0 decode rows, 1 training rows"]
+
+
+def forward_row(name, cudnn=None, fla=2.0):
+    return dict(name=name, floor=0.5, ours=1.0, fla=fla, fk=None, cudnn=cudnn, diff=1e-3 if fla else None,
+                cudnn_diff=2e-3 if cudnn else None)
+
+
+def test_forward_table_has_the_cudnn_columns():
+    table = bench.forward_table([forward_row("B1 T2048 H12", cudnn=0.8), forward_row("GVA", fla=None)],
+                                with_flashkda=False).splitlines()
+    assert table[0].endswith("| cuDNN ms | kdakit/cuDNN | rel. diff vs FLA | cuDNN rel. diff |")
+    assert all(line.count("|") == 11 for line in table)
+    assert table[2] == "| B1 T2048 H12 | 0.500 | 1.000 | 2.000 | 0.50 | 2.0 | 0.800 | 1.25 | 1.0e-03 | 2.0e-03 |"
+    assert table[3] == "| GVA | 0.500 | 1.000 | — | — | 2.0 | — | — | — | — |"
+    with_fk = bench.forward_table([forward_row("B1", cudnn=0.8)], with_flashkda=True).splitlines()
+    assert all(line.count("|") == 12 for line in with_fk) and "| FlashKDA ms | cuDNN ms |" in with_fk[0]
+
+
+def test_notes_log_each_reason_once():
+    logged = []
+    notes = bp.Notes(logged.append)
+    notes("cuDNN did not run on A: E: x")
+    notes("cuDNN did not run on A: E: x")
+    notes("FLA not importable: E: y")
+    assert logged == notes.lines == ["cuDNN did not run on A: E: x", "FLA not importable: E: y"]
+    assert bench.notes_list(notes.lines) == "- cuDNN did not run on A: E: x\n- FLA not importable: E: y"
+    assert bp.error_text(ValueError("a\n  b" + "c" * 400)).startswith("ValueError: a bccc")
+    assert bp.error_text(ValueError("c" * 400)).endswith(" ...") and len(bp.error_text(ValueError("c" * 400))) < 310
+
+
+def test_missing_peers_are_none_with_the_reason(monkeypatch):
+    for mod in ("cudnn", "cudnn.linear_attention", "cudnn.linear_attention.ops", "fla", "fla.ops", "fla.ops.kda",
+                "flash_kda"):
+        monkeypatch.setitem(sys.modules, mod, None)  # import raises ImportError
+    logged = []
+    assert bp.cudnn_kda(logged.append) is None
+    assert bp.fla_chunk_kda(logged.append) is None and bench.fla_runner(logged.append) is None
+    assert bp.flashkda_runner(logged.append) is None
+    assert logged[0].startswith("cuDNN KDA (nvidia-cudnn-frontend) not importable: ModuleNotFoundError")
+    assert [line.split(" not importable")[0] for line in logged] == ["cuDNN KDA (nvidia-cudnn-frontend)", "FLA", "FLA",
+                                                                    "FlashKDA"]
+
+
+def cpu_inputs(B=2, T=20, H=2, HV=2, lens=None, dtype=torch.float32):
+    """A row's inputs as kdakit.bench.forward_inputs makes them, on the CPU, small (fp32 unless told)."""
+    g = torch.Generator().manual_seed(1)
+    if lens is not None:
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        B, T, N = 1, int(cu[-1]), len(lens)
+    else:
+        cu, N = None, B
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+    return dict(q=rnd(B, T, H, 128), k=rnd(B, T, H, 128), v=rnd(B, T, HV, 128), g=rnd(B, T, HV, 128),
+                beta=rnd(B, T, HV), A_log=torch.log(torch.rand(HV, generator=g) * 15 + 1),
+                dt_bias=torch.randn(HV * 128, generator=g), h0=torch.randn(N, HV, 128, 128, generator=g),
+                cu=cu, cu_cpu=cu)
+
+
+class FakeCudnn:
+    """cuDNN's `kimi_delta_attention` contract (THD tensors, int32 cu_seqlens, v-first state, the plan pinned),
+    computed by kdakit's CPU path with state_v_first=True; it records each call's options."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, safe_gate=False,
+                 gate_lower_bound=None, a_log=None, dt_bias=None, plan_name=None):
+        assert q.dim() == k.dim() == v.dim() == g.dim() == 3 and beta.dim() == 2
+        assert cu_seqlens.dtype == torch.int32 and int(cu_seqlens[-1]) == q.shape[0]
+        assert initial_state.shape == (cu_seqlens.numel() - 1, v.shape[1], 128, 128) and initial_state.is_contiguous()
+        if safe_gate:
+            assert a_log.shape == (v.shape[1],) and dt_bias.shape == (v.shape[1], 128)
+            assert a_log.dtype == dt_bias.dtype == torch.float32
+        self.calls.append(dict(plan_name=plan_name, l2=use_qk_l2norm_in_kernel, sigmoid=use_beta_sigmoid_in_kernel,
+                               safe_gate=safe_gate, lower_bound=gate_lower_bound, g=g.dtype, beta=beta.dtype))
+        o, ht = kdakit.chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=scale,
+                                 initial_state=initial_state, output_final_state=output_final_state,
+                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=safe_gate,
+                                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate,
+                                 lower_bound=gate_lower_bound, A_log=a_log, dt_bias=dt_bias, state_v_first=True,
+                                 cu_seqlens=cu_seqlens)
+        return o[0], ht
+
+
+@pytest.mark.parametrize("lens", [None, [7, 13, 4]])
+def test_cudnn_forward_call_matches_kdakit(lens):
+    x = cpu_inputs(lens=lens)
+    fake = FakeCudnn()
+    o, ht = bp.cudnn_forward_call(fake, x)()
+    ko, kht = bench.run_kdakit(x)
+    assert fake.calls == [dict(plan_name="kda_hopper_cuda", l2=True, sigmoid=True, safe_gate=True, lower_bound=-5.0,
+                               g=torch.float32, beta=torch.float32)]
+    assert o.shape == ko.shape and ht.shape == kht.shape
+    assert bench.rel_diff(o, ko) < 1e-5 and bench.rel_diff(ht, kht) < 1e-5
+
+
+@pytest.mark.parametrize("lens", [None, [7, 13, 4]])
+def test_cudnn_train_step_gives_kdakit_gradients(lens):
+    """The torch-side L2 norm, gate and sigmoid around the unfused op, and the v-first h0, give kdakit's gradients."""
+    x = cpu_inputs(lens=lens)
+    fake = FakeCudnn()
+    grads = bp.cudnn_train_step(fake, x)()
+    ref = bp.kdakit_train_step(x)()
+    assert fake.calls == [dict(plan_name="kda_hopper_cuda", l2=False, sigmoid=False, safe_gate=False,
+                               lower_bound=None, g=torch.float32, beta=torch.float32)]
+    assert set(grads) == set(ref) == set(bp.GRAD_NAMES)
+    assert all(grads[n].shape == ref[n].shape for n in bp.GRAD_NAMES)
+    assert bt.grad_diff(grads, ref, bench.rel_diff) < 1e-4
+    assert bt.grad_diff(bp.fla_train_step(kdakit.chunk_kda, x)(), ref, bench.rel_diff) == 0.0  # same call form
+    bad = dict(ref, h0=ref["h0"].transpose(-1, -2))  # a layout slip is caught
+    assert bt.grad_diff(grads, bad, bench.rel_diff) > 0.1
+
+
+def test_training_row_and_table():
+    x = cpu_inputs()
+    measured = []
+
+    def fake_measure(step, *, timer, reps, flush):
+        measured.append(reps)
+        grads = step()
+        return {1: 3.0, 2: 6.0, 3: 2.0}[len(measured)], 100.0 * len(measured), grads
+
+    def fails(x):
+        def step():
+            raise RuntimeError("no kda_hopper_cuda plan for this graph")
+        return step
+    logged = []
+    notes = bp.Notes(logged.append)
+    steps = {"kdakit": bp.kdakit_train_step, "FLA": lambda x: bp.fla_train_step(kdakit.chunk_kda, x),
+             "cuDNN": lambda x: bp.cudnn_train_step(FakeCudnn(), x)}
+    row = bt.bench_row(("train B2 T20 H2",), x, steps, timer=None, reps=5, flush=None, notes=notes,
+                       rel_diff=bench.rel_diff, measure_fn=fake_measure)
+    assert measured == [5, 5, 5] and logged == []
+    assert (row["kdakit_ms"], row["FLA_ms"], row["cuDNN_ms"]) == (3.0, 6.0, 2.0)
+    assert (row["kdakit_mib"], row["FLA_mib"], row["cuDNN_mib"]) == (100.0, 200.0, 300.0)
+    assert row["diff_fla"] == 0.0 and row["diff_cudnn"] < 1e-4
+    failed = bt.bench_row(("train GVA",), x, dict(steps, cuDNN=fails, FLA=None), timer=None, reps=1, flush=None,
+                          notes=notes, rel_diff=bench.rel_diff, measure_fn=lambda step, **kw: (1.0, 1.0, step()))
+    assert failed["cuDNN_ms"] is None and failed["diff_cudnn"] is None and failed["FLA_ms"] is None
+    assert failed["diff_fla"] is None and failed["kdakit_ms"] == 1.0
+    assert logged == ["cuDNN did not run on train GVA: RuntimeError: no kda_hopper_cuda plan for this graph"]
+    table = bt.train_table([row, failed]).splitlines()
+    assert len(table) == 4 and all(line.count("|") == 12 for line in table)
+    assert table[0].startswith("| row | kdakit ms | FLA ms | cuDNN ms | kdakit/FLA | kdakit/cuDNN |")
+    assert table[2].startswith("| train B2 T20 H2 | 3.000 | 6.000 | 2.000 | 0.50 | 1.50 | 100 | 200 | 300 | 0.0e+00 |")
+    assert table[3] == "| train GVA | 1.000 | — | — | — | — | 1 | — | — | — | — |"
 
 
 def load_fla_suite():

@@ -7,7 +7,8 @@
 # Brought along in the ignored folder .deps/ (name it in the device tool's `carry`; tools/gpu/prepare_deps.sh fills it):
 #   .deps/cutlass/include/  CUTLASS / CuTe headers for the Hopper kernels (exported as KDAKIT_CUTLASS_DIR)
 #   .deps/googletest/       GoogleTest sources (e.g. a copy of Debian's /usr/src/googletest)
-#   .deps/wheels/           peer wheels for side-by-side tests and benchmarks (flash-linear-attention, fla-core)
+#   .deps/wheels/           peer wheels for side-by-side tests and benchmarks (flash-linear-attention, fla-core,
+#                           nvidia-cudnn-frontend, apache-tvm-ffi)
 # KDAKIT_QUICK=1: Python tests only (no C++ tests; arguments go to pytest). KDAKIT_BENCH_ARGS: arguments of the
 # benchmark (e.g. "--forms batch-vfirst": the whole decode matrix takes minutes; tools/gpu/run bench runs it alone).
 set -uo pipefail

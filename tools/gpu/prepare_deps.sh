@@ -6,7 +6,8 @@
 #   .deps/cutlass/include/  CUTLASS / CuTe headers (cute/, cutlass/) from the nvidia-cutlass==4.2.0.0 wheel's
 #                           cutlass_library/source/include; check.sh and ab_build.sh export it as KDAKIT_CUTLASS_DIR
 #   .deps/googletest/       copy of /usr/src/googletest (when present here), for the C++ tests offline
-#   .deps/wheels/           flash-linear-attention and fla-core wheels (peers of the side-by-side tests and benchmark)
+#   .deps/wheels/           flash-linear-attention and fla-core wheels (peers of the side-by-side tests and benchmark),
+#                           nvidia-cudnn-frontend 1.32.0 and apache-tvm-ffi (cuDNN's Hopper KDA engine, a benchmark peer)
 #   .deps/ab/base/          `git archive BASE_COMMIT` of this repository: the base tree of tools/gpu/run compare / ab.sh
 #   .deps/peers/            with FLA_GIT=<a git directory of fla-org/flash-linear-attention> (clone or mirror): at its
 #                           HEAD, FLA's package (peers/fla_src/fla), tests/ops/test_kda.py and tests/conftest.py
@@ -49,10 +50,11 @@ else
   echo "googletest: /usr/src/googletest not here (apt install googletest); C++ tests on the GPU machine need it"
 fi
 
-# --- peer wheels (pure Python; the platform flags only select wheels for the GPU machine's Python 3.12)
+# --- peer wheels (the platform flags select wheels for the GPU machine's Python 3.12)
 mkdir -p .deps/wheels
-for pkg in flash-linear-attention fla-core; do
-  stem=${pkg//-/_}
+for pkg in flash-linear-attention fla-core nvidia-cudnn-frontend==1.32.0 apache-tvm-ffi; do
+  stem=${pkg%%==*}
+  stem=${stem//-/_}
   if compgen -G ".deps/wheels/${stem}-*.whl" >/dev/null; then
     echo "wheels:     $(cd .deps/wheels && ls "${stem}"-*.whl | tr '\n' ' ')already there"
     continue
