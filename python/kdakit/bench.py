@@ -133,12 +133,17 @@ def git_commit() -> str:
         return "unknown"
 
 
+SECTIONS = ("forward", "decode", "train")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".")
     ap.add_argument("--reps", type=int, default=None,
                     help="timed runs per row (default 30 forward, 20 decode and training)")
     ap.add_argument("--only", nargs="*", default=None, help="substrings of row names to run")
+    ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS, metavar="SECTION",
+                    help="sections to run (default all): " + ", ".join(SECTIONS))
     ap.add_argument("--forms", nargs="+", default=None, choices=bench_decode.FORM_NAMES, metavar="FORM",
                     help="decode forms to run (default all): " + ", ".join(bench_decode.FORM_NAMES))
     ap.add_argument("--list", action="store_true", help="print the selected rows and exit")
@@ -152,8 +157,10 @@ def parse_args(argv=None):
 
 def selected_rows(args):
     """(forward shapes, decode cases, training shapes) that --only and --forms select."""
+    on = set(args.sections)
     forward = [s for s in FORWARD_SHAPES if not args.only or any(o in s[0] for o in args.only)]
-    return forward, bench_decode.decode_cases(args.forms, args.only), bench_train.train_shapes(args.only)
+    return (forward if "forward" in on else [], bench_decode.decode_cases(args.forms, args.only) if "decode" in on else [],
+            bench_train.train_shapes(args.only) if "train" in on else [])
 
 
 def forward_table(rows, with_flashkda: bool) -> str:

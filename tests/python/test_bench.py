@@ -222,6 +222,11 @@ def test_rows_selected_by_only_and_listed(capsys):
     shapes, cases, train = bench.selected_rows(bench.parse_args(["--only", "B8 T4096 H32"]))
     assert [s[0] for s in shapes] == ["B8 T4096 H32"] and [s[0] for s in train] == ["train B8 T4096 H32"]
     assert cases == []
+    # --sections keeps only the named sections.
+    shapes, cases, train = bench.selected_rows(bench.parse_args(["--only", "B8 T4096 H32", "--sections", "forward"]))
+    assert [s[0] for s in shapes] == ["B8 T4096 H32"] and train == [] and cases == []
+    shapes, cases, train = bench.selected_rows(bench.parse_args(["--sections", "decode"]))
+    assert shapes == [] and train == [] and len(cases) == 288
     assert bench.main(["--list", "--only", "train"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out == [s[0] for s in bt.TRAIN_SHAPES] + ["0 forward rows, 0 decode rows, 6 training rows"]

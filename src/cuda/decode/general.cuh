@@ -12,12 +12,12 @@
 namespace kdakit::cuda {
 
 
-// Registers: with KP <= 128 five CTAs of 4 warps fit an SM (<= 96 registers) without spills; the [K,V] bf16 tile
-// (8 columns per thread, 16 sums per butterfly) needs up to 128 at KP = 128 (four CTAs); KP = 256 holds twice the
-// state per thread. The state loads in flight are not bounded by registers: the tile is staged in shared memory.
-// Whole [K,V] tiles (FULL, written by row segments: KvRows' offsets beside the state) take the 128 too.
-template <typename L, bool VK, int KP, bool FULL>
-constexpr int decode_min_blocks() { return KP > 128 ? 2 : (!VK && (L::NJ == 8 || FULL) && KP == 128 ? 4 : 5); }
+// Registers: with KP <= 128 five CTAs of 4 warps fit an SM (<= 96 registers) without spills; KP = 256 holds twice
+// the state per thread. The state loads in flight are not bounded by registers: the tile is staged in shared memory.
+// [K,V] tiles at KP = 128 (row-segment offsets beside whole tiles, per-row masks beside others) take up to 128
+// (four CTAs).
+template <bool VK, int KP>
+constexpr int decode_min_blocks() { return KP > 128 ? 2 : (!VK && KP == 128 ? 4 : 5); }
 
 // The kernel takes its arguments by value (not __grid_constant__): ptxas then reads them from the constant bank at
 // every use instead of holding them in registers across the token loop.
@@ -31,7 +31,7 @@ constexpr int decode_min_blocks() { return KP > 128 ? 2 : (!VK && (L::NJ == 8 ||
 // per SM); longer ones (varlen calls whose lengths the host could not read) the general path.
 template <typename PoolT, bool VK, int KP, bool FULL, bool ONE>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
-                                  (ONE ? 4 : decode_min_blocks<decode_detail::Tile<PoolT, VK, KP>, VK, KP, FULL>()))
+                                  (ONE ? 4 : decode_min_blocks<VK, KP>()))
     decode_kernel(const DecodeArgs a) {
   using namespace decode_detail;
   static_assert(!(ONE && FULL), "the one-token form falls back to the general (masked) path");
@@ -44,8 +44,9 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   using L = Tile<PoolT, VK, KP>;
   constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL, GRP = L::GRP;
   constexpr int MC = kDecodeMaxTileCols / 32;  // tile columns per lane in the preparation
-  // FULL: K, V and the staging are known to the compiler (V only through "every tile is whole").
-  const bool stage_state = FULL || a.stage_state;
+  // FULL: K, V and the staging are known to the compiler (V only through "every tile is whole"). [K,V] tiles are
+  // staged only whole (by rows, FULL); masked ones are read from global memory.
+  const bool stage_state = FULL || (VK && a.stage_state);
   const int Kc = FULL ? KP : a.K, Vc = FULL ? (1 << 30) : a.V;
   const int nthreads = blockDim.x, nw = nthreads >> 5, bv = nw * kDecodeWarpCols;
   const int passes = a.passes, bvt = bv * passes;  // columns per pass; columns of the CTA tile
@@ -191,11 +192,13 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
       // FULL without an initial state: the copies zero-fill the tile (no zeroing branch per pass).
       if constexpr (ROWS) {
         issue_rows_async<PoolT, KP>(has_src ? src() + col0 + p * bv : static_cast<const PoolT*>(a.initial.p), a.V,
-                                    sTile + size_t(p) * tile_vecs, nthreads, has_src ? 16 : 0);
-      } else if (FULL || has_src) {
-        issue_block_async<PoolT, VK, KP>(has_src ? src() : static_cast<const PoolT*>(a.initial.p),
-                                         place(col0 + p * bv + warp * kDecodeWarpCols),
-                                         sState + size_t(p) * tile_vecs, nthreads, has_src ? 16 : 0);
+                                    sTile + size_t(p) * tile_vecs, nthreads, has_src ? 16 : 0, 1);
+      } else if constexpr (VK) {
+        if (FULL || has_src) {
+          issue_block_async<PoolT, KP>(has_src ? src() : static_cast<const PoolT*>(a.initial.p),
+                                       place(col0 + p * bv + warp * kDecodeWarpCols), sState + size_t(p) * tile_vecs,
+                                       nthreads, has_src ? 16 : 0);
+        }
       }
       cp_async_commit();
     }
@@ -238,9 +241,9 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
         cp_async_wait(passes - 1 - p);
         if constexpr (ROWS) {
           __syncthreads();  // the pass's rows were copied by other threads
-          load_rows_staged<PoolT, KP>(S, sTile + size_t(p) * tile_vecs, nthreads);
-        } else if (FULL || has_src) {
-          load_block_staged<PoolT, VK, KP>(S, src(), pl, sState + size_t(p) * tile_vecs, nthreads);
+          load_rows_staged<PoolT, KP>(S, sTile + size_t(p) * tile_vecs, nthreads, 0, 1);
+        } else if constexpr (VK) {
+          if (FULL || has_src) load_block_staged<PoolT, KP>(S, src(), pl, sState + size_t(p) * tile_vecs, nthreads);
         }
       } else if (has_src) {
         load_block<PoolT, VK, KP>(S, src(), pl, a.initial.vec);  // never FULL

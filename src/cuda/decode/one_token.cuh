@@ -58,11 +58,11 @@ template <typename PoolT, bool VK, int KP, bool STAGED, typename In, typename Si
 __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const OneTokenSeq& sq_) {
   using L = Tile<PoolT, VK, KP>;
   constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL;
-  constexpr int RUN = VK ? L::VEC : ND;  // consecutive keys of a thread
-  // The gate: VK threads that differ only in their value rows (lane bits 3, 4) hold the same keys; each computes a
-  // quarter of them and takes the rest by shuffles (the softplus is the preparation's longest part).
-  constexpr int QN = VK ? ND / 4 : ND;
-  static_assert(!VK || QN <= L::VEC, "a quarter of a thread's keys lies in one run");
+  constexpr int RUN = VK ? L::VEC : (ND < 8 ? ND : 8);  // consecutive keys of a thread per load (load_run)
+  // The gate: the 4 threads that differ only in their columns (lane bits 3-4 v-first, 0-1 [K,V]) hold the same keys;
+  // each computes a quarter of them and takes the rest by shuffles (the softplus is the preparation's longest part).
+  constexpr int QN = ND / 4;
+  static_assert(QN <= RUN, "a quarter of a thread's keys lies in one run");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int hv = static_cast<int>(blockIdx.y);
   const int h = o.group_shift >= 0 ? hv >> o.group_shift : hv / o.group;
@@ -83,23 +83,19 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   if constexpr (STAGED) later.locate<VK, KP>(o, one_range);
   if (len > 1) return false;
   const bool tok = len == 1;
-  // v and beta at this thread's columns of pass p, loaded one pass ahead of their use: v-first, the NJ columns; [K,V],
-  // the one column whose e this lane computes (KvScatter::slot). beta per head (not per column): one value,
-  // activated once.
-  constexpr int VN = VK ? NJ : 1;
-  float xq[ND], xk[ND], xg[QN], bias[QN], xv[VN], xb[VN], nq_raw[KL], nk_raw[KL];
+  // v and beta at this thread's NJ columns of pass p, loaded one pass ahead of their use. beta per head (not per
+  // column): one value, activated once.
+  float xq[ND], xk[ND], xg[QN], bias[QN], xv[NJ], xb[NJ], nq_raw[KL], nk_raw[KL];
   float beta_head = 0.f;
-  const int dd0 = VK ? (lane >> 3) * QN : 0;  // the first of this thread's gate keys (slot index)
+  const int dd0 = (VK ? (lane >> 3) : (lane & 3)) * QN;  // the first of this thread's gate keys (slot index)
   const int gkey = key_of<L, VK>(dd0, lane);
   float alog = 0.f;
   const In* v = nullptr;
   const Side* bt = nullptr;
-  auto load_v_beta = [&](int p, float (&xv_)[VN], float (&xb_)[VN]) {
+  auto load_v_beta = [&](int p, float (&xv_)[NJ], float (&xb_)[NJ]) {
 #pragma unroll
-    for (int jj = 0; jj < VN; ++jj) {
-      int c;
-      if constexpr (VK) c = p * bv + col_of<L, VK>(jj, lane);
-      else c = p * bv + col_of<L, VK>(KvScatter<L>::slot(lane), lane);
+    for (int jj = 0; jj < NJ; ++jj) {
+      const int c = p * bv + col_of<L, VK>(jj, lane);
       xv_[jj] = to_float(__ldg(v + c));
       if (o.beta_cols()) xb_[jj] = to_float(__ldg(bt + c));
     }
@@ -135,10 +131,11 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   }
 
   // The slot (ids outside the pool: neither read nor written), then the state's loads. One pass: straight into
-  // registers. Several (large batches): every pass's 16-byte vectors are issued now as cp.async copies
-  // into this thread's own slots of shared memory (one group per pass), so the bytes in flight are bounded by
-  // shared memory rather than registers, and cp.async.wait_group alone orders them (the general form's staged
-  // tile, without its barrier).
+  // registers. Several (large batches): the whole CTA tile is issued now as cp.async copies into shared memory, so
+  // the bytes in flight are bounded by shared memory rather than registers. v-first: into each thread's own slots,
+  // one group per pass, which cp.async.wait_group alone orders; [K,V]: by row segments of the whole tile (full
+  // cache lines per copy instruction, where a pass's columns are a fraction of each row), one group and a barrier,
+  // and written back the same way after the last pass.
   const int rslot = o.initial == nullptr || has == 0 ? -1 : slot1;  // not padding: a slot of the pool (or n)
   const int wslot = o.final_state == nullptr ? -1 : slot1;
   const Place pf = place_of<L, VK>(KP, o.V, wcol0, lane);
@@ -150,7 +147,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       rslot >= 0 ? static_cast<const PoolT*>(o.initial) + int64_t(rslot) * o.slot_stride + head_block : nullptr;
   extern __shared__ __align__(16) char one_smem[];
   char* staged = one_smem + size_t(tid) * 16;  // this thread's slots
-  const int pass_bytes = L::NVEC * static_cast<int>(blockDim.x) * 16 + (VK ? 0 : int(kDecodeKvRowPad));
+  const int pass_bytes = L::NVEC * static_cast<int>(blockDim.x) * 16;  // v-first: a pass's slots
   const int tile_col0 = static_cast<int>(blockIdx.z) * bv * passes;  // the CTA tile's first column
   float S[NJ][ND];
   auto zero_state = [&]() {
@@ -162,12 +159,13 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   };
   if (STAGED) {
     if (rslot >= 0) {
-      for (int p = 0; p < passes; ++p) {
-        if constexpr (VK) {
-          issue_block_async<PoolT, VK, KP>(src, place(p), staged + size_t(p) * pass_bytes, blockDim.x);
-        } else {  // by row segments (state_io.cuh)
-          issue_rows_async<PoolT, KP>(src + tile_col0 + p * bv, o.V, one_smem + size_t(p) * pass_bytes, blockDim.x);
+      if constexpr (VK) {
+        for (int p = 0; p < passes; ++p) {
+          issue_block_async<PoolT, KP>(src, place(p), staged + size_t(p) * pass_bytes, blockDim.x);
+          cp_async_commit();
         }
+      } else {  // the whole CTA tile by row segments, one group (state_io.cuh, KvRows)
+        issue_rows_async<PoolT, KP>(src + tile_col0, o.V, one_smem, blockDim.x, 16, passes);
         cp_async_commit();
       }
     }
@@ -199,27 +197,30 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     gate.exp_gates<QN>(xg, bias, gq);
 #pragma unroll
     for (int dd = 0; dd < ND; ++dd) {
-      if constexpr (VK) gv[dd] = __shfl_sync(0xffffffffu, gq[dd % QN], (dd / QN) * 8 + (lane & 7));
-      else gv[dd] = gq[dd];
+      const int from = VK ? (dd / QN) * 8 + (lane & 7) : (lane & ~3) | (dd / QN);
+      gv[dd] = __shfl_sync(0xffffffffu, gq[dd % QN], from);
     }
   }
   const int orow = tok ? o.out.offset(row, hv) + wcol0 : 0;
 
   for (int p = 0; p < passes; ++p) {
-    if (STAGED) {  // this pass's copies are complete once at most the later passes' groups are in flight
+    if (STAGED) {
       if (rslot >= 0) {
-        cp_async_wait(passes - 1 - p);
-        if constexpr (VK) {
-          load_block_staged<PoolT, VK, KP>(S, src, place(p), staged + size_t(p) * pass_bytes, blockDim.x);
+        if constexpr (VK) {  // this pass's copies are complete once at most the later passes' groups are in flight
+          cp_async_wait(passes - 1 - p);
+          load_block_staged<PoolT, KP>(S, src, place(p), staged + size_t(p) * pass_bytes, blockDim.x);
         } else {
-          __syncthreads();  // the pass's rows were copied by other threads
-          load_rows_staged<PoolT, KP>(S, one_smem + size_t(p) * pass_bytes, blockDim.x);
+          if (p == 0) {
+            cp_async_wait(0);
+            __syncthreads();  // the tile's rows were copied by other threads
+          }
+          load_rows_staged<PoolT, KP>(S, one_smem, blockDim.x, p, passes);
         }
       } else {
         zero_state();
       }
     }
-    float nv[VN], nb[VN];
+    float nv[NJ], nb[NJ];
     if (tok && p + 1 < passes) load_v_beta(p + 1, nv, nb);
     if (tok) {
       // The token: S *= exp(g); kS and qS in one pass; e = beta (v - kS); o = qS + (q.k) e; S += k e^T.
@@ -233,9 +234,8 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
           g_[i] = gv[dd + i];
         }
       }, [&](int jj, float pk, float pq, bool store) {
-        const int vj = VK ? jj : 0;
-        const float bj = o.beta_cols() ? beta_fast(xb[vj], o.beta_sigmoid(), o.neg_eigval()) : beta_head;
-        const float ej = bj * (xv[vj] - pk);
+        const float bj = o.beta_cols() ? beta_fast(xb[jj], o.beta_sigmoid(), o.neg_eigval()) : beta_head;
+        const float ej = bj * (xv[jj] - pk);
         if (store) static_cast<In*>(o.out.p)[orow + p * bv + col_of<L, VK>(jj, lane)] = from_float<In>(fmaf(qkn, ej, pq));
         return ej;
       }, e);
@@ -246,17 +246,19 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
     }
     if (wslot >= 0) {
       PoolT* dst = static_cast<PoolT*>(o.final_state) + int64_t(wslot) * o.slot_stride + head_block;
-      if constexpr (!VK && STAGED) {  // by row segments through the pass's slots, which only this pass used
-        stage_block_out<PoolT, KP>(S, one_smem + size_t(p) * pass_bytes, blockDim.x);
-        __syncthreads();
-        store_rows<PoolT, KP>(dst + tile_col0 + p * bv, o.V, one_smem + size_t(p) * pass_bytes, blockDim.x);
+      if constexpr (!VK && STAGED) {  // into the tile, in place; written by row segments after the last pass
+        stage_block_out<PoolT, KP>(S, one_smem, blockDim.x, p, passes);
+        if (p + 1 == passes) {
+          __syncthreads();
+          store_rows<PoolT, KP>(dst + tile_col0, o.V, one_smem, blockDim.x, passes);
+        }
       } else {
         store_block_t<PoolT, L, VK>(S, dst, place(p), true);
       }
     }
     if (tok && p + 1 < passes) {
 #pragma unroll
-      for (int i = 0; i < VN; ++i) {
+      for (int i = 0; i < NJ; ++i) {
         xv[i] = nv[i];
         xb[i] = nb[i];
       }
@@ -290,7 +292,7 @@ __device__ __forceinline__ bool decode_one_call(const DecodeOneArgs& o) {
 // T = 1, or lengths read on the host): it takes only the packed DecodeOneArgs (at most 192 bytes, DecodeArgs' first
 // bytes), so its launch carries a small argument block, and holds no general path (no fall-back to size for).
 template <typename PoolT, bool VK, int KP, bool STAGED>
-__global__ void __launch_bounds__(kDecodeMaxWarps * 32, VK ? 4 : 5) decode_one_kernel(const DecodeOneArgs o) {
+__global__ void __launch_bounds__(kDecodeMaxWarps * 32, 4) decode_one_kernel(const DecodeOneArgs o) {
   decode_detail::decode_one_call<PoolT, VK, KP, STAGED>(o);
 }
 

@@ -11,44 +11,53 @@
 
 namespace kdakit::cuda::decode_detail {
 
+// Which state elements a thread holds. v-first: lanes 8 r + kl; the 8 lanes kl span K (16-byte vectors of
+// consecutive keys), lane bits 3-4 pick 2 of the warp's 8 columns. [K,V]: lanes 4 kl + c; the 8 lanes kl span K, each
+// with ND consecutive keys, and c (lane bits 0-1) picks 2 of the warp's 8 columns: adjacent (bf16: one 32-bit piece
+// of a row) or 4 apart (fp32: one float in each 16-byte half of the warp's 32 bytes of a row). Both layouts then
+// sum a column over the 8 lanes kl (3 butterfly levels), and the [K,V] staged tile reaches this mapping from row order
+// by ldmatrix (state_io.cuh, KvRows), with no shuffles.
 template <typename PoolT, bool VK, int KP>
 struct Tile {
   static constexpr int VEC = 16 / static_cast<int>(sizeof(PoolT));  // elements per 16-byte state vector
-  static constexpr int LV = VK ? 0 : 8 / VEC;                        // [K,V]: lanes across a warp's 8 columns
-  static constexpr int LANES_K = VK ? 8 : 32 / LV;                   // lanes sharing columns, spanning K
+  static constexpr int LANES_K = 8;                                  // lanes sharing columns, spanning K
   static constexpr int ND = KP / LANES_K;                            // keys per thread
-  static constexpr int NJ = VK ? 2 : VEC;                            // value columns per thread
+  static constexpr int NJ = 2;                                       // value columns per thread
   static constexpr int GRP = ND < 4 ? ND : 4;                        // keys per shared-memory vector read
   static constexpr int KL = KP / 32;                                 // keys per lane in the preparation
   static constexpr int NVEC = NJ * ND / VEC;                         // 16-byte state vectors per thread and pass
+  static constexpr int UPW = kDecodeWarpCols * static_cast<int>(sizeof(PoolT)) / 16;  // [K,V]: a warp's 16-byte units of a row
   static_assert(ND % GRP == 0 && (!VK || ND % VEC == 0), "keys per thread come in whole vectors");
   static_assert(NJ * ND == KP / 4, "decode_state_tile_bytes: KP / 4 state elements per thread and pass");
-  static_assert(NJ * (VK ? 4 : LV) == kDecodeWarpCols, "a warp owns kDecodeWarpCols value columns");
+  static_assert(NJ * 4 == kDecodeWarpCols, "a warp owns kDecodeWarpCols value columns");
   static_assert(kDecodeMaxWarps * kDecodeWarpCols <= 32, "the preparation widens one CTA column per lane");
 };
+
+// The K-lane of a thread (which of the 8 lanes sharing its columns it is).
+template <bool VK>
+__device__ __forceinline__ int k_lane(int lane) { return VK ? (lane & 7) : (lane >> 2); }
 
 // Column (relative to the warp's first) of this thread's value slot jj.
 template <typename L, bool VK>
 __device__ __forceinline__ int col_of(int jj, int lane) {
   if constexpr (VK) return jj * 4 + (lane >> 3);
-  else return (lane % L::LV) * L::VEC + jj;
+  else if constexpr (L::VEC == 8) return (lane & 3) * 2 + jj;
+  else return (lane & 3) + 4 * jj;
 }
 
 // Key index of this thread's key slot dd. Groups of GRP consecutive dd map to GRP consecutive keys.
 template <typename L, bool VK>
 __device__ __forceinline__ int key_of(int dd, int lane) {
   if constexpr (VK) return ((dd / L::VEC) * 8 + (lane & 7)) * L::VEC + dd % L::VEC;
-  else return (lane / L::LV) * L::ND + dd;
+  else return (lane >> 2) * L::ND + dd;
 }
 
 // The general form's staged key rows (q, k, exp(gate) per token in shared memory) are stored in the order the
-// threads read them: the thread's key group g (GRP consecutive keys from slot g GRP on) of K-lane kl (the lanes that
-// span K: lane & 7 v-first, lane / LV [K,V]) at 16-byte unit g LANES_K + kl. A warp's reads of one group are then
-// consecutive 16-byte units (no bank conflicts), where in key order they lie VEC or ND keys apart.
+// threads read them: the thread's key group g (GRP consecutive keys from slot g GRP on) of K-lane kl (k_lane) at
+// 16-byte unit g LANES_K + kl. A warp's reads of one group are then consecutive 16-byte units (no bank conflicts), where in key order they lie VEC or ND keys apart.
 template <typename L, bool VK>
 __device__ __forceinline__ int key_unit(int dd, int lane) {
-  const int kl = VK ? (lane & 7) : lane / (VK ? 1 : L::LV);
-  return ((dd / L::GRP) * L::LANES_K + kl) * L::GRP + dd % L::GRP;
+  return ((dd / L::GRP) * L::LANES_K + k_lane<VK>(lane)) * L::GRP + dd % L::GRP;
 }
 // The position of key d in that order (the inverse of key_of, then key_unit).
 template <typename L, bool VK>
@@ -139,10 +148,11 @@ __device__ __forceinline__ void load_keys(const float* p, float (&x)[N]) {
   }
 }
 
-// Where this thread's vectors lie in a state block (computed once; offsets within a block fit in 32 bits).
+// Where this thread's elements lie in a state block (computed once; offsets within a block fit in 32 bits).
 //   VK: vector (jj, r) at off + jj * step + r * 8 * VEC; it exists if jj * 4 < lim_j, with lim_k - r * 8 * VEC
 //       elements inside K.
-//   KV: vector dd at off + dd * step; it exists if dd < lim_k, with lim_j elements inside V.
+//   KV: key slot dd's row at off + dd * step (its columns col_of(jj) - col_of(0) further); it exists if dd < lim_k,
+//       and column slot jj if col_of(jj) - col_of(0) < lim_j.
 struct Place {
   int off, step, lim_j, lim_k;
 };
@@ -152,6 +162,52 @@ __device__ __forceinline__ Place place_of(int K, int V, int wcol0, int lane) {
   const int j = wcol0 + col_of<L, VK>(0, lane), d = key_of<L, VK>(0, lane);
   if constexpr (VK) return Place{j * K + d, 4 * K, V - j, K - d};
   else return Place{d * V + j, V, V - j, K - d};
+}
+
+// [K,V]: the distance of column slot 1 from slot 0 (adjacent for bf16 pools, 4 apart for fp32 ones).
+template <typename L>
+constexpr int kv_col_step() { return L::VEC == 8 ? 1 : 4; }
+
+// Two [K,V] elements of one row (column slots 0 and 1, `dj` apart) with `valid` columns of slot 0's inside V; one
+// 32-bit piece where both are adjacent 16-bit elements and `vec` (the pool's 16-byte alignment, so 4-byte too).
+template <typename T, int DJ>
+__device__ __forceinline__ void load_kv_pair(const T* p, int valid, bool vec, float& x0, float& x1) {
+  if constexpr (!std::is_same<T, float>::value && DJ == 1) {
+    if (vec && valid >= 2) {
+      const uint32_t w = __ldcs(reinterpret_cast<const unsigned int*>(p));
+      x0 = bf16_lo(w);
+      x1 = bf16_hi(w);
+      return;
+    }
+  }
+  auto at = [&](int i) {
+    if constexpr (std::is_same<T, float>::value) return __ldcs(p + i);
+    else return __bfloat162float(p[i]);
+  };
+  x0 = valid > 0 ? at(0) : 0.f;
+  x1 = valid > DJ ? at(DJ) : 0.f;
+}
+
+template <typename T, int DJ>
+__device__ __forceinline__ void store_kv_pair(T* p, int valid, bool vec, float x0, float x1) {
+  if constexpr (!std::is_same<T, float>::value && DJ == 1) {
+    if (vec && valid >= 2) {
+      __stcs(reinterpret_cast<unsigned int*>(p), pack_bf16(x0, x1));
+      return;
+    }
+  }
+  if constexpr (std::is_same<T, float>::value && DJ == 1) {
+    if (vec && valid >= 2) {
+      __stcs(reinterpret_cast<float2*>(p), make_float2(x0, x1));
+      return;
+    }
+  }
+  auto put = [&](int i, float x) {
+    if constexpr (std::is_same<T, float>::value) __stcs(p + i, x);
+    else p[i] = __float2bfloat16_rn(x);
+  };
+  if (valid > 0) put(0, x0);
+  if (valid > DJ) put(DJ, x1);
 }
 
 // The thread's part of one state block (the block of one (slot, v-head)), in the layout's native order.
@@ -172,10 +228,8 @@ __device__ __forceinline__ void load_block(float (&S)[Tile<PoolT, VK, KP>::NJ][T
   } else {
 #pragma unroll
     for (int dd = 0; dd < L::ND; ++dd) {
-      float x[L::VEC];
-      load_state_vec<PoolT, L::VEC>(p + pl.off + dd * pl.step, 0, dd < pl.lim_k ? pl.lim_j : 0, vec, x);
-#pragma unroll
-      for (int jj = 0; jj < L::NJ; ++jj) S[jj][dd] = x[jj];
+      load_kv_pair<PoolT, kv_col_step<L>()>(p + pl.off + dd * pl.step, dd < pl.lim_k ? pl.lim_j : 0, vec, S[0][dd],
+                                            S[1][dd]);
     }
   }
 }
@@ -195,57 +249,51 @@ __device__ __forceinline__ void store_block_t(const float (&S)[L::NJ][L::ND], T*
   } else {
 #pragma unroll
     for (int dd = 0; dd < L::ND; ++dd) {
-      float x[L::VEC];
-#pragma unroll
-      for (int jj = 0; jj < L::NJ; ++jj) x[jj] = S[jj][dd];
-      store_state_vec<T, L::VEC>(p + pl.off + dd * pl.step, 0, dd < pl.lim_k ? pl.lim_j : 0, vec, x);
+      store_kv_pair<T, kv_col_step<L>()>(p + pl.off + dd * pl.step, dd < pl.lim_k ? pl.lim_j : 0, vec, S[0][dd],
+                                         S[1][dd]);
     }
   }
 }
 
 // ---- the staged state tile ----------------------------------------------------------------------------------
-// A thread copies exactly the 16-byte vectors it later reads (those load_block would read as vectors) into its own
-// slots of shared memory: vector vi of pass p at ((p * NVEC + vi) * nthreads + tid) * 16. So cp.async.wait_group
-// alone orders them (no barrier), and a warp's shared-memory reads are consecutive 16-byte pieces (no bank
-// conflicts). Vectors that cannot be copied whole (K or V tails, unaligned pools) are read from global memory, element
-// by element, when the pass starts.
+// v-first: a thread copies exactly the 16-byte vectors it later reads (those load_block would read as vectors) into
+// its own slots of shared memory: vector vi of pass p at ((p * NVEC + vi) * nthreads + tid) * 16. So
+// cp.async.wait_group alone orders them (no barrier), and a warp's shared-memory reads are consecutive 16-byte pieces
+// (no bank conflicts). Vectors that cannot be copied whole (K or V tails, unaligned pools) are read from global
+// memory, element by element, when the pass starts. ([K,V] tiles are staged by rows: KvRows below.)
 
 // Vector vi of the thread's tile part: its element offset from pl.off and the number of its elements inside K/V.
-template <typename L, bool VK>
+template <typename L>
 __device__ __forceinline__ void vector_of(int vi, const Place& pl, int& off, int& valid) {
-  if constexpr (VK) {
-    constexpr int PER_J = L::ND / L::VEC;
-    const int jj = vi / PER_J, r8 = (vi % PER_J) * 8 * L::VEC;
-    off = jj * pl.step + r8;
-    valid = jj * 4 < pl.lim_j ? pl.lim_k - r8 : 0;
-  } else {
-    off = vi * pl.step;
-    valid = vi < pl.lim_k ? pl.lim_j : 0;
-  }
+  constexpr int PER_J = L::ND / L::VEC;
+  const int jj = vi / PER_J, r8 = (vi % PER_J) * 8 * L::VEC;
+  off = jj * pl.step + r8;
+  valid = jj * 4 < pl.lim_j ? pl.lim_k - r8 : 0;
 }
 
 // bytes = 0: zero-fill (no initial state) without reading the pool.
-template <typename PoolT, bool VK, int KP>
+template <typename PoolT, int KP>
 __device__ __forceinline__ void issue_block_async(const PoolT* p, const Place& pl, char* sm, int nthreads,
                                                   int bytes = 16) {
-  using L = Tile<PoolT, VK, KP>;
+  using L = Tile<PoolT, true, KP>;
 #pragma unroll
   for (int vi = 0; vi < L::NVEC; ++vi) {
     int off, valid;
-    vector_of<L, VK>(vi, pl, off, valid);
+    vector_of<L>(vi, pl, off, valid);
     if (valid >= L::VEC) cp_async16(sm + size_t(vi) * nthreads * 16, p + pl.off + off, bytes);
   }
 }
 
-template <typename PoolT, bool VK, int KP>
-__device__ __forceinline__ void load_block_staged(float (&S)[Tile<PoolT, VK, KP>::NJ][Tile<PoolT, VK, KP>::ND],
+template <typename PoolT, int KP>
+__device__ __forceinline__ void load_block_staged(float (&S)[Tile<PoolT, true, KP>::NJ][Tile<PoolT, true, KP>::ND],
                                                   const PoolT* p, const Place& pl, const char* sm, int nthreads) {
-  using L = Tile<PoolT, VK, KP>;
+  using L = Tile<PoolT, true, KP>;
+  constexpr int PER_J = L::ND / L::VEC;
 #pragma unroll
   for (int vi = 0; vi < L::NVEC; ++vi) {
     int off, valid;
-    vector_of<L, VK>(vi, pl, off, valid);
-    float x[L::VEC];
+    vector_of<L>(vi, pl, off, valid);
+    float* x = &S[vi / PER_J][(vi % PER_J) * L::VEC];
     if (valid >= L::VEC) {
       const uint4 u = *reinterpret_cast<const uint4*>(sm + size_t(vi) * nthreads * 16);
       if constexpr (std::is_same<PoolT, float>::value) {
@@ -261,123 +309,162 @@ __device__ __forceinline__ void load_block_staged(float (&S)[Tile<PoolT, VK, KP>
     } else {
       load_state_vec<PoolT, L::VEC>(p + pl.off + off, 0, valid, false, x);
     }
-    if constexpr (VK) {
-      constexpr int PER_J = L::ND / L::VEC;
-#pragma unroll
-      for (int i = 0; i < L::VEC; ++i) S[vi / PER_J][(vi % PER_J) * L::VEC + i] = x[i];
-    } else {
-#pragma unroll
-      for (int jj = 0; jj < L::NJ; ++jj) S[jj][vi] = x[jj];
-    }
   }
 }
 
 // ---- [K,V] staged tiles by whole row segments ---------------------------------------------------------------
-// In the [K,V] layout a warp's own vectors lie on 16 (fp32) or 32 (bf16) rows, 32 or 16 bytes of each, so copies and
-// stores by owner touch four to eight times the cache lines per instruction that v-first ones do, and the L1/L2
-// request rate, not DRAM, bounded the kernel. The staged one-token form therefore copies a pass tile (KP rows of bv
-// columns) by row segments -- consecutive threads, consecutive 16-byte pieces of a row -- into shared memory in row
-// order, and writes the updated tile back the same way; each direction costs a barrier (threads read what others
-// wrote). Row order with one 16-byte unit of padding after every ND rows: an owner's lanes then read distinct banks
-// (lane l's rows start l units further), and a pass tile takes kDecodeKvRowPad more bytes. Whole tiles only.
-// Piece c of row d (cpr pieces per row) at 16-byte unit d * cpr + c + (d / ND) * LV.
+// A [K,V] tile -- KP rows of `tp` passes' columns: one pass (the general form) or all of a CTA's passes (the
+// one-token form, whose tile is then whole rows of the pool) -- is copied by row segments (consecutive threads,
+// consecutive 16-byte pieces of a row) into shared memory in row order, and written back the same way (each
+// direction costs a barrier: threads read what others wrote). A thread's elements (Tile: ND consecutive keys of
+// K-lane kl, 2 columns of lane bits 0-1) are 8x8 matrices of 16-bit pairs: key slot dd of the 8 K-lanes, at one
+// 16-byte unit of their rows. ldmatrix reads four such matrices per instruction straight into the Tile mapping
+// (thread 4 kl + c gets row kl's 32-bit word c), and stmatrix writes them back, so the transposition costs no
+// shuffles; a thread's words are its own in both directions, so a pass needs no barrier of its own. One 16-byte
+// unit of padding after every ND rows: a matrix's 8 rows (ND apart) then lie in distinct banks. Piece u of row d
+// (cpr units per row) at unit d cpr + u + d / ND; a tile takes kDecodeKvRowPad more bytes. Whole tiles only.
 template <typename L>
 struct KvRows {
-  static_assert(L::LANES_K % L::ND == 0, "rows d0 + i LANES_K are ND-row groups apart");
-  static_assert(L::LANES_K * L::LV * 16 == kDecodeKvRowPad, "the padding of a pass tile");
-  int cpr;        // 16-byte pieces per row segment of a pass tile
-  int copy0, copy_step, unit0, unit_step;  // copy order: this thread's vector i at global row row0 + i LANES_K
-  int row0, piece;
-  __device__ __forceinline__ explicit KvRows(int nthreads) {
-    cpr = (nthreads >> 5) * L::LV;
+  static_assert(L::LANES_K * 16 == kDecodeKvRowPad, "the padding of a tile: one unit per K-lane");
+  static constexpr int NMAT = L::ND * L::UPW / 4;  // ldmatrix.x4 instructions per pass
+  static_assert(NMAT * 4 == L::ND * L::UPW && L::NJ == 2, "whole x4 instructions; two column slots");
+  int cpr;             // 16-byte units per row of the tile (powers of two)
+  int row0, piece;     // this thread's copy i: piece `piece` of row row0 + i rstep
+  int rstep;
+  int mat0, mat_step;  // the row address this lane gives to ldmatrix / stmatrix instruction i of pass 0
+  int pass_step;       // bytes from a pass's units to the next's
+  __device__ __forceinline__ KvRows(int nthreads, int tp) {
+    const int pass_units = (nthreads >> 5) * L::UPW;
+    cpr = pass_units * tp;
+    const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
     const int cpr_shift = __ffs(cpr) - 1;
-    const int tid = static_cast<int>(threadIdx.x);
     row0 = tid >> cpr_shift;
     piece = tid & (cpr - 1);
-    copy0 = (row0 * cpr + piece + (row0 / L::ND) * L::LV) * 16;
-    copy_step = (L::LANES_K * cpr + (L::LANES_K / L::ND) * L::LV) * 16;
+    rstep = nthreads >> cpr_shift;
+    // Lane 8 m + r gives row r of matrix m: key slot matrix_dd(i, m) of K-lane r, the warp's unit matrix_unit(m).
+    const int m = lane >> 3, r = lane & 7;
+    mat0 = unit(r * L::ND + matrix_dd(0, m), warp * L::UPW + matrix_unit(m)) * 16;
+    mat_step = (matrix_dd(1, 0) - matrix_dd(0, 0)) * cpr * 16;
+    pass_step = pass_units * 16;
   }
-  // The owner's vector vi (Tile mapping: row (lane / LV) ND + vi, piece warp LV + lane % LV).
-  __device__ __forceinline__ int owned(int vi) const {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, d = (lane / L::LV) * L::ND + vi;
-    return (d * cpr + warp * L::LV + lane % L::LV + (lane / L::LV) * L::LV) * 16;
+  // Piece u of row d: padding after every ND rows.
+  __device__ __forceinline__ int unit(int d, int u) const { return d * cpr + u + d / L::ND; }
+  __device__ __forceinline__ int copy_at(int i) const { return unit(row0 + i * rstep, piece) * 16; }
+  // bf16: the four matrices of instruction i are key slots 4 i .. 4 i + 3 (the warp's one unit of a row); fp32: key
+  // slots 2 i, 2 i + 1, each at the warp's two units (columns c and c + 4).
+  __device__ __forceinline__ static constexpr int matrix_dd(int i, int m) {
+    return L::UPW == 1 ? 4 * i + m : 2 * i + (m >> 1);
   }
+  __device__ __forceinline__ static constexpr int matrix_unit(int m) { return L::UPW == 1 ? 0 : (m & 1); }
 };
 
-// head_c0: the state block of (slot, head) advanced to the pass tile's first column; V: its row stride.
-// bytes = 0: zero-fill (no initial state) without reading.
-template <typename PoolT, int KP>
-__device__ __forceinline__ void issue_rows_async(const PoolT* head_c0, int V, char* sm, int nthreads, int bytes = 16) {
-  using L = Tile<PoolT, false, KP>;
-  const KvRows<L> r(nthreads);
-  const PoolT* from = bytes > 0 ? head_c0 + size_t(r.row0) * V + r.piece * L::VEC : head_c0;
-#pragma unroll
-  for (int i = 0; i < L::NVEC; ++i) {
-    cp_async16(sm + r.copy0 + i * r.copy_step, bytes > 0 ? from + size_t(i) * L::LANES_K * V : from, bytes);
-  }
+__device__ __forceinline__ void ldmatrix_x4(const char* p, uint32_t (&r)[4]) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
 }
 
+// stmatrix is sm_90's; before it, each lane stores its own four 32-bit words (at byte offsets `mine` of `tile`).
+__device__ __forceinline__ void stmatrix_x4(char* p, char* tile, const uint32_t (&r)[4], const int (&mine)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  (void)tile;
+  (void)mine;
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+#else
+  (void)p;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) *reinterpret_cast<uint32_t*>(tile + mine[m]) = r[m];
+#endif
+}
+
+// head_c0: the state block of (slot, head) advanced to the tile's first column; V: its row stride; tp: the passes
+// the tile spans. bytes = 0: zero-fill (no initial state) without reading.
+template <typename PoolT, int KP>
+__device__ __forceinline__ void issue_rows_async(const PoolT* head_c0, int V, char* sm, int nthreads, int bytes,
+                                                 int tp) {
+  using L = Tile<PoolT, false, KP>;
+  const KvRows<L> r(nthreads, tp);
+  const PoolT* from = bytes > 0 ? head_c0 + size_t(r.row0) * V + r.piece * L::VEC : head_c0;
+  const size_t step = bytes > 0 ? size_t(r.rstep) * V : 0;
+#pragma unroll 4
+  for (int i = 0; i < L::NVEC * tp; ++i) cp_async16(sm + r.copy_at(i), from + i * step, bytes);
+}
+
+// Pass p's 32-bit words of the tile into the Tile mapping: reg m of instruction i is key slot matrix_dd(i, m),
+// column slot matrix_unit(m) (fp32) or both column slots (bf16: a pair).
 template <typename PoolT, int KP>
 __device__ __forceinline__ void load_rows_staged(float (&S)[Tile<PoolT, false, KP>::NJ][Tile<PoolT, false, KP>::ND],
-                                                 const char* sm, int nthreads) {
+                                                 const char* sm, int nthreads, int p, int tp) {
   using L = Tile<PoolT, false, KP>;
-  const KvRows<L> r(nthreads);
+  using R = KvRows<L>;
+  const R r(nthreads, tp);
+  const char* base = sm + r.mat0 + p * r.pass_step;
 #pragma unroll
-  for (int vi = 0; vi < L::NVEC; ++vi) {
-    const uint4 u = *reinterpret_cast<const uint4*>(sm + r.owned(vi));
-    if constexpr (std::is_same<PoolT, float>::value) {
-      S[0][vi] = __uint_as_float(u.x); S[1][vi] = __uint_as_float(u.y);
-      S[2][vi] = __uint_as_float(u.z); S[3][vi] = __uint_as_float(u.w);
-    } else {
-      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+  for (int i = 0; i < R::NMAT; ++i) {
+    uint32_t w[4];
+    ldmatrix_x4(base + i * r.mat_step, w);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        S[2 * i][vi] = bf16_lo(w[i]);
-        S[2 * i + 1][vi] = bf16_hi(w[i]);
+    for (int m = 0; m < 4; ++m) {
+      const int dd = R::matrix_dd(i, m);
+      if constexpr (std::is_same<PoolT, float>::value) {
+        S[R::matrix_unit(m)][dd] = __uint_as_float(w[m]);
+      } else {
+        S[0][dd] = bf16_lo(w[m]);
+        S[1][dd] = bf16_hi(w[m]);
       }
     }
   }
 }
 
+// The thread's words of pass p back into the tile (the places load_rows_staged read them from).
 template <typename PoolT, int KP>
 __device__ __forceinline__ void stage_block_out(const float (&S)[Tile<PoolT, false, KP>::NJ][Tile<PoolT, false, KP>::ND],
-                                                char* sm, int nthreads) {
+                                                char* sm, int nthreads, int p, int tp) {
   using L = Tile<PoolT, false, KP>;
-  const KvRows<L> r(nthreads);
+  using R = KvRows<L>;
+  const R r(nthreads, tp);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  char* base = sm + r.mat0 + p * r.pass_step;
 #pragma unroll
-  for (int vi = 0; vi < L::NVEC; ++vi) {
-    uint4 u;
-    if constexpr (std::is_same<PoolT, float>::value) {
-      u = make_uint4(__float_as_uint(S[0][vi]), __float_as_uint(S[1][vi]), __float_as_uint(S[2][vi]),
-                     __float_as_uint(S[3][vi]));
-    } else {
-      u = make_uint4(pack_bf16(S[0][vi], S[1][vi]), pack_bf16(S[2][vi], S[3][vi]), pack_bf16(S[4][vi], S[5][vi]),
-                     pack_bf16(S[6][vi], S[7][vi]));
+  for (int i = 0; i < R::NMAT; ++i) {
+    uint32_t w[4];
+    int mine[4];  // this lane's own words (the stores before stmatrix)
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int dd = R::matrix_dd(i, m);
+      if constexpr (std::is_same<PoolT, float>::value) w[m] = __float_as_uint(S[R::matrix_unit(m)][dd]);
+      else w[m] = pack_bf16(S[0][dd], S[1][dd]);
+      mine[m] = p * r.pass_step +
+                r.unit((lane >> 2) * L::ND + dd, warp * L::UPW + R::matrix_unit(m)) * 16 + (lane & 3) * 4;
     }
-    *reinterpret_cast<uint4*>(sm + r.owned(vi)) = u;
+    stmatrix_x4(base + i * r.mat_step, sm, w, mine);
   }
 }
 
 template <typename PoolT, int KP>
-__device__ __forceinline__ void store_rows(PoolT* head_c0, int V, const char* sm, int nthreads) {
+__device__ __forceinline__ void store_rows(PoolT* head_c0, int V, const char* sm, int nthreads, int tp) {
   using L = Tile<PoolT, false, KP>;
-  const KvRows<L> r(nthreads);
+  const KvRows<L> r(nthreads, tp);
   PoolT* to = head_c0 + size_t(r.row0) * V + r.piece * L::VEC;
-#pragma unroll
-  for (int i = 0; i < L::NVEC; ++i) {
-    __stcs(reinterpret_cast<uint4*>(to + size_t(i) * L::LANES_K * V),
-           *reinterpret_cast<const uint4*>(sm + r.copy0 + i * r.copy_step));
+  const size_t step = size_t(r.rstep) * V;
+#pragma unroll 4
+  for (int i = 0; i < L::NVEC * tp; ++i) {
+    __stcs(reinterpret_cast<uint4*>(to + i * step), *reinterpret_cast<const uint4*>(sm + r.copy_at(i)));
   }
 }
 
-// The thread's part of a tile to global memory by row segments through `sm` (a pass tile's region, free): owners'
-// vectors in, a barrier, row segments out, a barrier (the region may be written again next).
+// A one-pass tile to global memory by row segments through `sm` (the pass's region, free): owners' words in, a
+// barrier, row segments out, a barrier (the region may be written again next).
 template <typename PoolT, int KP>
 __device__ __forceinline__ void store_tile_rows(const float (&S)[Tile<PoolT, false, KP>::NJ][Tile<PoolT, false, KP>::ND],
                                                 PoolT* head_c0, int V, char* sm, int nthreads) {
-  stage_block_out<PoolT, KP>(S, sm, nthreads);
+  stage_block_out<PoolT, KP>(S, sm, nthreads, 0, 1);
   __syncthreads();
-  store_rows<PoolT, KP>(head_c0, V, sm, nthreads);
+  store_rows<PoolT, KP>(head_c0, V, sm, nthreads, 1);
   __syncthreads();
 }
 

@@ -25,8 +25,8 @@ KDA_HD constexpr std::size_t decode_state_tile_bytes(int KP, int pool_bytes, int
 }
 
 // Shared memory a staged tile takes: the state, plus per pass the padding of the [K,V] row layout (state_io.cuh,
-// KvRows: one 16-byte unit per group of a lane's rows, so that owners read it without bank conflicts).
-constexpr std::size_t kDecodeKvRowPad = 512;
+// KvRows: one 16-byte unit after each of the 8 K-lanes' row groups, so that ldmatrix reads it without bank conflicts).
+constexpr std::size_t kDecodeKvRowPad = 128;
 KDA_HD constexpr std::size_t decode_staged_bytes(int KP, int pool_bytes, int nthreads, int passes) {
   return decode_state_tile_bytes(KP, pool_bytes, nthreads, passes) + std::size_t(passes) * kDecodeKvRowPad;
 }
