@@ -11,6 +11,7 @@
 //   KDAKIT_DECODE_PASSES=1|2|4          column groups per decode CTA tile
 //   KDAKIT_DECODE_GENERAL=<any>         the decode's masked general form, never the whole-tile or one-token forms
 //   KDAKIT_DECODE_PREFETCH=<x>          the staged one-token decode's L2 prefetch distance, CTAs per SM (0: off)
+//   KDAKIT_DECODE_ONE_STAGED=0|1        the one-token decode's state through shared memory at one pass (or not)
 #pragma once
 
 namespace kdakit::cuda {
@@ -25,6 +26,7 @@ struct Tuning {
   int decode_passes = 0;          // 0: the planner's choice
   bool decode_general = false;
   float decode_prefetch = 1.f;    // CTAs per SM
+  int decode_one_staged = -1;     // < 0: the planner's choice
 
   static Tuning from_environment();
 };

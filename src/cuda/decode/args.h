@@ -61,6 +61,7 @@ struct DecodeOneArgs {
   static constexpr uint8_t kSide32 = 4, kIdx64 = 8;
   static constexpr uint8_t kL2Norm = 4, kBetaSigmoid = 8, kNegEigval = 16, kBetaCols = 32;
   static constexpr uint8_t kOneToken = 64;  // fixed length T = 1 (else 0; with cu_seqlens: unused)
+  static constexpr uint8_t kStaged = 128;   // the state is staged in shared memory (cp.async): always where passes > 1
   __host__ __device__ DType in_dtype() const { return static_cast<DType>(dtypes & 3); }
   __host__ __device__ bool side32() const { return (dtypes & kSide32) != 0; }
   __host__ __device__ bool idx64() const { return (dtypes & kIdx64) != 0; }
@@ -71,6 +72,7 @@ struct DecodeOneArgs {
   __host__ __device__ bool neg_eigval() const { return (flags & kNegEigval) != 0; }
   __host__ __device__ bool beta_cols() const { return (flags & kBetaCols) != 0; }
   __host__ __device__ int T() const { return (flags & kOneToken) != 0 ? 1 : 0; }
+  __host__ __device__ bool staged() const { return (flags & kStaged) != 0; }
   // Slot n's id (int32 or int64 indices; ids beyond int32 are outside any pool the form takes: padding).
   __device__ __forceinline__ int slot_of(int n) const {
     if (idx64()) {

@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   using namespace decode_detail;
   static_assert(!(ONE && FULL), "the one-token form falls back to the general (masked) path");
   if constexpr (ONE) {
-    if (a.one.passes > 1 ? decode_one_call<PoolT, VK, KP, true>(a.one)
+    if (a.one.staged() ? decode_one_call<PoolT, VK, KP, true>(a.one)
                          : decode_one_call<PoolT, VK, KP, false>(a.one)) {
       return;
     }

@@ -21,7 +21,7 @@ void launch_decode_kernel(const DecodeArgs& a, const DecodeConfig& cfg, cudaStre
   if constexpr (KP <= 128) {
     one_entry = cfg.one_entry;
     if (one_entry) {
-      auto one = cfg.passes > 1 ? decode_one_kernel<PoolT, VK, KP, true> : decode_one_kernel<PoolT, VK, KP, false>;
+      auto one = cfg.one_staged ? decode_one_kernel<PoolT, VK, KP, true> : decode_one_kernel<PoolT, VK, KP, false>;
       one<<<grid, 32 * cfg.warps, cfg.smem, stream>>>(a.one);
     } else if (cfg.one) {
       kernel = decode_kernel<PoolT, VK, KP, false, true>;

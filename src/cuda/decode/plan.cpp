@@ -178,6 +178,12 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
             !has_data(p.token_states) && !idx_2d && !tuning.decode_general;
   if (cfg.one) {
     passes = one_passes;
+    // [K,V] tiles go through shared memory at one pass too: copies by whole 16-byte pieces of rows and ldmatrix,
+    // where direct loads take one 4-byte piece per key (state_io.cuh, Tile).
+    cfg.one_staged = passes > 1 || (!cfg.vk && one_tile_fits(1));
+    if (tuning.decode_one_staged >= 0) {
+      cfg.one_staged = passes > 1 || (tuning.decode_one_staged == 1 && one_tile_fits(1));
+    }
     // Staged tiles on Hopper: each CTA prefetches into L2 (bulk prefetch) the tile of the CTA one per SM later in
     // launch order (Tuning::decode_prefetch CTAs per SM; 0: off; the results do not change).
     const int ahead_ctas =
@@ -200,7 +206,7 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
   // The one-token entry needs shared memory only for a staged state (several passes); the ONE instance of the general
   // kernel holds the general path's layout, whose state tile is the same size.
   cfg.smem = !cfg.one_entry ? smem_of(passes)
-             : passes > 1   ? decode_staged_bytes(cfg.KP, pool_bytes, 32 * warps, passes)
+             : cfg.one_staged ? decode_staged_bytes(cfg.KP, pool_bytes, 32 * warps, passes)
                             : 0;
   cfg.full = d.stage_state && pr.K == cfg.KP && pr.V % (int64_t(bv) * passes) == 0 &&
              same_as_pool(st.final_state, d.final_vec) && same_as_pool(p.token_states, d.token_states_vec) &&

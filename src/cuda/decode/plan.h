@@ -25,6 +25,7 @@ struct DecodeConfig {
                            // 128, whole V tiles, vector-aligned q, k, g rows, states absent or aligned in the pool's
                            // dtype, 1-D or no slot indices, no per-token states
   bool one_entry = false;  // ... and every sequence is known to have at most one token: decode_one_kernel
+  bool one_staged = false; // the one-token form stages the state in shared memory (always with passes > 1)
 };
 
 struct DecodeLaunch {

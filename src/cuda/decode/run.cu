@@ -90,7 +90,8 @@ DecodeOneArgs one_args(const DecodeParams& p, const Problem& pr, const DecodeLau
                                  (p.in.beta_sigmoid ? DecodeOneArgs::kBetaSigmoid : 0) |
                                  (p.in.allow_neg_eigval ? DecodeOneArgs::kNegEigval : 0) |
                                  (p.in.beta.ndim == 4 ? DecodeOneArgs::kBetaCols : 0) |
-                                 (!varlen && pr.T == 1 ? DecodeOneArgs::kOneToken : 0));
+                                 (!varlen && pr.T == 1 ? DecodeOneArgs::kOneToken : 0) |
+                                 (d.cfg.one_staged ? DecodeOneArgs::kStaged : 0));
   o.passes = static_cast<uint8_t>(d.cfg.passes);
   o.prefetch_ahead = static_cast<uint16_t>(d.prefetch_ahead);
   return o;

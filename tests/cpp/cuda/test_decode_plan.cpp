@@ -53,6 +53,23 @@ TEST(DecodePlan, OneTokenBatchTakesTheOneTokenEntry) {
   EXPECT_TRUE(d.initial_vec && d.final_vec && d.q_vec && d.k_vec && d.g_vec);
 }
 
+TEST(DecodePlan, OneTokenKvPoolsStageTheStateAtOnePass) {
+  DecodeCase c(1, 1, 16, 16);
+  c.p.state.layout = StateLayout::kKV;  // [slots, HV, K, V]: K = V, the same views
+  const DecodeLaunch d = c.plan();
+  EXPECT_TRUE(d.cfg.one_entry);
+  EXPECT_EQ(d.cfg.passes, 1);
+  EXPECT_TRUE(d.cfg.one_staged);  // by rows and ldmatrix, not one 4-byte load per key
+  EXPECT_EQ(d.cfg.smem, cuda::decode_staged_bytes(128, 4, 128, 1));
+  EXPECT_FALSE(DecodeCase(1, 1, 16, 16).plan().cfg.one_staged);  // v-first: straight to registers
+  Tuning direct;
+  direct.decode_one_staged = 0;
+  const DecodeLaunch r = c.plan(kH200, direct);
+  EXPECT_FALSE(r.cfg.one_staged);
+  EXPECT_EQ(r.cfg.smem, 0u);
+  EXPECT_TRUE(DecodeCase(256, 1, 16, 16).plan(kH200, direct).cfg.one_staged);  // passes > 1 always stage
+}
+
 TEST(DecodePlan, LargeBatchesStageTheStateAndPrefetchOnHopper) {
   const DecodeLaunch bf = DecodeCase(256, 1, 16, 16, DType::kBFloat16).plan();
   EXPECT_TRUE(bf.cfg.one_entry);
@@ -60,6 +77,7 @@ TEST(DecodePlan, LargeBatchesStageTheStateAndPrefetchOnHopper) {
   EXPECT_EQ(bf.cfg.passes, 4);  // 4 x 32 bf16 columns of K = 128: a 32 KB tile
   EXPECT_EQ(bf.cfg.smem, cuda::decode_staged_bytes(128, 2, 128, 4));
   EXPECT_EQ(bf.cfg.smem, 32768u + 4 * cuda::kDecodeKvRowPad);  // the state, plus the [K,V] row layout's padding
+  EXPECT_TRUE(bf.cfg.one_staged);
   EXPECT_EQ(bf.prefetch_ahead, 132);  // one CTA per SM ahead
   const DecodeLaunch fp = DecodeCase(256, 1, 16, 16, DType::kFloat32).plan();
   EXPECT_EQ(fp.cfg.passes, 2);  // 2 x 32 fp32 columns: 32 KB

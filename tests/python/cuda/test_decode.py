@@ -607,6 +607,12 @@ def test_one_token_form(seed, monkeypatch, lens, fixed, dtype, gate, beta, K, v_
     untouched[idx[idx >= 0].long()] = False
     assert same_bits(p[untouched], pool[untouched])
     assert same_bits(o, og) and same_bits(p, pg), "the one-token and the general form differ"
+    # At one pass the one-token form's state goes through shared memory ([K,V] pools) or straight to registers
+    # (v-first); the other way (KDAKIT_DECODE_ONE_STAGED) gives the same bits.
+    monkeypatch.delenv("KDAKIT_DECODE_GENERAL", raising=False)
+    monkeypatch.setenv("KDAKIT_DECODE_ONE_STAGED", "1" if v_first else "0")
+    oo, po = run()
+    assert same_bits(oo, o) and same_bits(po, p), "the staged and the direct one-token form differ"
 
 
 @pytest.mark.parametrize("fixed", [True, False])
