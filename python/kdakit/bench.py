@@ -262,9 +262,9 @@ DECODE_INTRO = ("Decode (`fused_recurrent_kda_fwd` in place on a state pool; kda
 
 FORWARD_INTRO = ("Forward: bf16 inputs, gate (lower_bound -5), L2 norm and beta sigmoid in kernel, float32 initial "
                  "state in and final state out, K = V = 128. cuDNN: NVIDIA cuDNN Frontend's Hopper engine (plan "
-                 "kda_hopper_cuda) on the same tensors as THD views, with int32 cu_seqlens and a v-first copy of h0 "
-                 "made before the timed calls; it converts bf16 g and beta to fp32 inside its call. rel. diff vs FLA: "
-                 "kdakit's output against FLA's; cuDNN rel. diff: the larger of its output's and final state's "
+                 "kda_hopper_cuda) on the same tensors as THD views, with int32 cu_seqlens, a v-first copy of h0 and "
+                 "fp32 copies of g and beta (its kernel's input dtype) made before the timed calls. rel. diff vs "
+                 "FLA: kdakit's output against FLA's; cuDNN rel. diff: the larger of its output's and final state's "
                  "against kdakit's (relative RMS).")
 
 

@@ -127,11 +127,13 @@ def thd(t: torch.Tensor) -> torch.Tensor:
 def cudnn_forward_call(kda, x):
     """A forward call of cuDNN's Hopper engine on the row `x`: call() -> (o [B,T,HV,V], final state [N,HV,K,V]).
 
-    The same math as kdakit's row: raw bf16 g and beta with the lower-bound gate, L2 norm and beta sigmoid in its
-    kernel, the default scale. The layout work (THD views, int32 cu_seqlens, the v-first h0, dt_bias as [HV,K]) is
-    done here, once, outside the timed call; the results come back as views in kdakit's layouts."""
+    The same math as kdakit's row: the row's raw g and beta with the lower-bound gate, L2 norm and beta sigmoid in
+    its kernel, the default scale. The engine's kernel reads g and beta in fp32 (given bf16, the op converts them
+    inside every call), so they are given as fp32 copies made here, as its callers hold them. That work and the
+    layout work (THD views, int32 cu_seqlens, the v-first h0, dt_bias as [HV,K]) is done once, outside the timed
+    call; the results come back as views in kdakit's layouts."""
     B, T, HV, V = x["v"].shape
-    args = dict(q=thd(x["q"]), k=thd(x["k"]), v=thd(x["v"]), g=thd(x["g"]), beta=thd(x["beta"]),
+    args = dict(q=thd(x["q"]), k=thd(x["k"]), v=thd(x["v"]), g=thd(x["g"]).float(), beta=thd(x["beta"]).float(),
                 cu_seqlens=cudnn_cu_seqlens(x))
     h0 = x["h0"].transpose(-1, -2).contiguous()  # [N,HV,V,K]
     a_log, dt_bias = x["A_log"].float().contiguous(), x["dt_bias"].float().reshape(HV, D)
