@@ -174,8 +174,14 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   // The state tile: with stage_state every pass's copies are issued here, one cp.async group per pass (empty ones
   // too, so that the group count is the same for every thread), and stay in flight while the token inputs are
   // prepared and while earlier passes compute.
-  // ROWS ([K,V] whole tiles): the staged tile in row order, copied and written by row segments (state_io.cuh, KvRows).
+  // ROWS ([K,V] whole tiles): staged in row order, copied and written by row segments (state_io.cuh, KvRows).
+  // WHOLE (fp32 pools, or at most one token): the whole CTA tile in one group, kept in shared memory throughout:
+  // each token runs the passes on it (ldmatrix in, stmatrix back), and state outputs are written by whole row
+  // segments, two barriers per output instead of two per pass. Between tokens the state then lives in the pool's
+  // dtype, so a bf16 pool's longer sequences take the passes one by one instead (the state in fp32 registers across
+  // tokens), each pass its own tile.
   constexpr bool ROWS = FULL && !VK;
+  const bool whole = ROWS && (std::is_same<PoolT, float>::value || len <= 1);  // CTA-uniform
   const int tile_vecs = L::NVEC * nthreads * 16 + (ROWS ? int(kDecodeKvRowPad) : 0);  // bytes of one pass
   char* sTile = smem + lay.state;
   // Where a warp's vectors lie (FULL: K = KP and no masks, so offsets and bounds are compile-time where possible).
@@ -187,12 +193,16 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
       return place_of<L, VK>(Kc, Vc, wcol0, lane);
     }
   };
-  if (stage_state) {
+  // FULL without an initial state: the copies zero-fill the tile (no zeroing branch per pass).
+  const PoolT* from = has_src ? src() + (VK ? 0 : col0) : static_cast<const PoolT*>(a.initial.p);
+  if (whole) {
+    issue_rows_async<PoolT, KP>(from, a.V, sTile, nthreads, has_src ? 16 : 0, passes);
+    cp_async_commit();
+  } else if (stage_state) {
     for (int p = 0; p < passes; ++p) {
-      // FULL without an initial state: the copies zero-fill the tile (no zeroing branch per pass).
       if constexpr (ROWS) {
-        issue_rows_async<PoolT, KP>(has_src ? src() + col0 + p * bv : static_cast<const PoolT*>(a.initial.p), a.V,
-                                    sTile + size_t(p) * tile_vecs, nthreads, has_src ? 16 : 0, 1);
+        issue_rows_async<PoolT, KP>(has_src ? from + p * bv : from, a.V, sTile + size_t(p) * tile_vecs, nthreads,
+                                    has_src ? 16 : 0, 1);
       } else if constexpr (VK) {
         if (FULL || has_src) {
           issue_block_async<PoolT, KP>(has_src ? src() : static_cast<const PoolT*>(a.initial.p),
@@ -203,7 +213,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
       cp_async_commit();
     }
   }
-  const int state_groups = stage_state ? passes : 0;
+  const int state_groups = whole ? 1 : stage_state ? passes : 0;
 
   // The head's gate parameters to shared memory (read by step 2 of every batch).
   float* sBias = reinterpret_cast<float*>(smem + lay.bias);
@@ -215,8 +225,147 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   }
   if (tid == 0) *sAlog = alog_r;
 
-  // A state output of the pass starting at tile column pc0 (ROWS: through the pass's region, whose state is in
-  // registers by now; the calls are CTA-uniform, as their barriers need).
+  // Steps 1-2 for the batch of nb tokens from i0: staged (the first batch's copies were issued above; `first`), then
+  // prepared in shared memory.
+  auto prepare = [&](int i0, int nb, bool first) {
+    if (!first) {
+      __syncthreads();  // the previous batch's readers are done
+      stage(i0, nb);
+      commit(nb, 0);
+    } else {
+      commit(nb, state_groups);
+    }
+
+    // 2. Per token, one warp each for (a) the L2 norms and q.k, (b) the gate and (c) v and the beta
+    //    activation (three tasks: at T = 1 three of four warps work, and the gate's chain is not followed by
+    //    v's). A warp reads its raw values into registers before widening them in place (__syncwarp between).
+    for (int task = warp; task < 3 * nb; task += nw) {
+      const int tt = task / 3, kind = task - 3 * tt;
+      if (kind == 0) {
+        float* q = sQ + tt * KP;
+        float* k = sK + tt * KP;
+        const char* rq = reinterpret_cast<const char*>(q) + (4 - es) * KP;
+        const char* rk = reinterpret_cast<const char*>(k) + (4 - es) * KP;
+        float xq[KL], xk[KL];
+#pragma unroll
+        for (int i = 0; i < KL; ++i) {
+          xq[i] = raw_at(rq, in_dt, lane + 32 * i);
+          xk[i] = raw_at(rk, in_dt, lane + 32 * i);
+        }
+        float sq, sk, qk;
+        norm_sums<KL>(xq, xk, sq, sk, qk);
+        const float eps = static_cast<float>(math::kL2NormEps);
+        const float nq = a.l2norm ? rsqrtf(sq + eps) : 1.f;
+        const float nk = a.l2norm ? rsqrtf(sk + eps) : 1.f;
+        const float qs = nq * a.scale;
+        __syncwarp();  // every lane has read its raw values
+#pragma unroll
+        for (int i = 0; i < KL; ++i) {
+          q[key_pos<L, VK>(lane + 32 * i)] = xq[i] * qs;
+          k[key_pos<L, VK>(lane + 32 * i)] = xk[i] * nk;
+        }
+        if (lane == 0) sQK[tt] = qk * qs * nk;
+      } else if (kind == 1) {
+        float* g = sA + tt * KP;
+        const char* rg = reinterpret_cast<const char*>(g) + (4 - ges) * KP;
+        float x[KL];
+#pragma unroll
+        for (int i = 0; i < KL; ++i) x[i] = raw_at(rg, g_dt, lane + 32 * i);
+        const GateLog2 gate(a.gate_mode, *sAlog, a.A_log.present(), a.lower_bound);
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < KL; ++i) {
+          const int d = lane + 32 * i;
+          // keys past K hold zero state; any finite factor works
+          g[key_pos<L, VK>(d)] = d < Kc ? fast_exp2(gate(a.gate_mode != GateMode::kPreGated ? x[i] + sBias[d] : x[i])) : 0.f;
+        }
+      } else {  // v and beta of the tile's columns
+        float* v = sV + tt * bvt;
+        float* bt = sB + tt * bvt;
+        const char* rv = reinterpret_cast<const char*>(v) + (4 - es) * bvt;
+        const char* rb = reinterpret_cast<const char*>(bt) + (4 - bes) * bvt;
+        float xv[MC], xb[MC];
+#pragma unroll
+        for (int i = 0; i < MC; ++i) {
+          const int c = lane + 32 * i;
+          xv[i] = xb[i] = 0.f;
+          if (c < bvt) {
+            xv[i] = raw_at(rv, in_dt, c);
+            xb[i] = a.beta_cols ? raw_at(rb, a.beta.dtype, c) : bt[0];
+          }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < MC; ++i) {
+          const int c = lane + 32 * i;
+          if (c < bvt) {
+            v[c] = xv[i];
+            bt[c] = beta_fast(xb[i], a.beta_sigmoid, a.neg_eigval);
+          }
+        }
+      }
+    }
+    __syncthreads();
+  };
+
+  // 3. Token tt of the batch from i0 on the state of the pass starting at tile column pc0, in registers.
+  auto run_token = [&](int tt, int i0, int pc0, float (&S)[NJ][ND]) {
+    const float* q = sQ + tt * KP;
+    const float* k = sK + tt * KP;
+    const float* g = sA + tt * KP;
+    const int64_t s = int64_t(t0) + i0 + tt;
+    const float qk = sQK[tt];
+    const int64_t orow = a.out.offset(b, s, hv) + col0;
+    float e[NJ];
+    token_sums_e<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
+      const int d = key_unit<L, VK>(dd, lane);
+      load_keys<GRP>(g + d, g_);
+      load_keys<GRP>(k + d, k_);
+      load_keys<GRP>(q + d, q_);
+    }, [&](int jj, float pk, float pq, bool store) {
+      const int cl = pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane);  // column within the CTA tile
+      const float ej = sB[tt * bvt + cl] * (sV[tt * bvt + cl] - pk);
+      if (store && col0 + cl < Vc) a.out.store(orow + cl, fmaf(qk, ej, pq));
+      return ej;
+    }, e);
+    token_update<L>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_unit<L, VK>(dd, lane), k_); }, e);
+  };
+
+  if (whole) {
+    // The whole tile's rows to a state output (CTA-uniform calls): every thread's words are in by the first barrier,
+    // and the tile is not written again before the second.
+    auto store_tile = [&](const StateRef& st, int64_t block, bool again) {
+      __syncthreads();
+      store_rows<PoolT, KP>(static_cast<PoolT*>(st.p) + block + col0, a.V, sTile, nthreads, passes);
+      if (again) __syncthreads();
+    };
+    for (int i0 = 0; i0 < len; i0 += tb) {
+      const int nb = static_cast<int>(len - i0 < tb ? len - i0 : tb);
+      prepare(i0, nb, i0 == 0);
+      if (i0 == 0) {
+        cp_async_wait(0);
+        __syncthreads();  // the tile's rows were copied by other threads
+      }
+      for (int tt = 0; tt < nb; ++tt) {
+        for (int p = 0; p < passes; ++p) {
+          float S[NJ][ND];
+          load_rows_staged<PoolT, KP>(S, sTile, nthreads, p, passes);
+          run_token(tt, i0, p * bv, S);
+          stage_block_out<PoolT, KP>(S, sTile, nthreads, p, passes);
+        }
+        if (a.token_states.present()) {
+          store_tile(a.token_states, a.token_states.block(int64_t(b) * a.T + t0 + i0 + tt, hv), true);
+        }
+        if (per_token && sSlot[tt] >= 0) store_tile(a.final_state, a.final_state.block(sSlot[tt], hv), true);
+      }
+    }
+    if (len <= 0) cp_async_wait(0);  // an empty sequence: its final state is its initial state
+    if (wslot >= 0) store_tile(a.final_state, a.final_state.block(wslot, hv), false);
+    return;
+  }
+
+  // A state output of the pass starting at tile column pc0 (ROWS: by row segments through the pass's tile, whose
+  // state is in registers by now; the calls are CTA-uniform, as their barriers need).
   auto store_state = [&](const StateRef& st, int64_t block, int pc0, const Place& pl, const float (&S)[NJ][ND]) {
     if constexpr (ROWS) {
       store_tile_rows<PoolT, KP>(S, static_cast<PoolT*>(st.p) + block + col0 + pc0, a.V,
@@ -259,112 +408,12 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
     if (len <= 0) load_pass();  // an empty sequence: its final state is its initial state
     for (int i0 = 0; i0 < len; i0 += tb) {
       const int nb = static_cast<int>(len - i0 < tb ? len - i0 : tb);
-      if (p == 0 || multi) {
-        if (p > 0 || i0 > 0) {
-          __syncthreads();  // the previous batch's readers are done
-          stage(i0, nb);
-          commit(nb, 0);
-        } else {
-          commit(nb, state_groups);
-        }
-
-        // 2. Per token, one warp each for (a) the L2 norms and q.k, (b) the gate and (c) v and the beta
-        //    activation (three tasks: at T = 1 three of four warps work, and the gate's chain is not followed by
-        //    v's). A warp reads its raw values into registers before widening them in place (__syncwarp between).
-        for (int task = warp; task < 3 * nb; task += nw) {
-          const int tt = task / 3, kind = task - 3 * tt;
-          if (kind == 0) {
-            float* q = sQ + tt * KP;
-            float* k = sK + tt * KP;
-            const char* rq = reinterpret_cast<const char*>(q) + (4 - es) * KP;
-            const char* rk = reinterpret_cast<const char*>(k) + (4 - es) * KP;
-            float xq[KL], xk[KL];
-#pragma unroll
-            for (int i = 0; i < KL; ++i) {
-              xq[i] = raw_at(rq, in_dt, lane + 32 * i);
-              xk[i] = raw_at(rk, in_dt, lane + 32 * i);
-            }
-            float sq, sk, qk;
-            norm_sums<KL>(xq, xk, sq, sk, qk);
-            const float eps = static_cast<float>(math::kL2NormEps);
-            const float nq = a.l2norm ? rsqrtf(sq + eps) : 1.f;
-            const float nk = a.l2norm ? rsqrtf(sk + eps) : 1.f;
-            const float qs = nq * a.scale;
-            __syncwarp();  // every lane has read its raw values
-#pragma unroll
-            for (int i = 0; i < KL; ++i) {
-              q[key_pos<L, VK>(lane + 32 * i)] = xq[i] * qs;
-              k[key_pos<L, VK>(lane + 32 * i)] = xk[i] * nk;
-            }
-            if (lane == 0) sQK[tt] = qk * qs * nk;
-          } else if (kind == 1) {
-            float* g = sA + tt * KP;
-            const char* rg = reinterpret_cast<const char*>(g) + (4 - ges) * KP;
-            float x[KL];
-#pragma unroll
-            for (int i = 0; i < KL; ++i) x[i] = raw_at(rg, g_dt, lane + 32 * i);
-            const GateLog2 gate(a.gate_mode, *sAlog, a.A_log.present(), a.lower_bound);
-            __syncwarp();
-#pragma unroll
-            for (int i = 0; i < KL; ++i) {
-              const int d = lane + 32 * i;
-              // keys past K hold zero state; any finite factor works
-              g[key_pos<L, VK>(d)] = d < Kc ? fast_exp2(gate(a.gate_mode != GateMode::kPreGated ? x[i] + sBias[d] : x[i])) : 0.f;
-            }
-          } else {  // v and beta of the tile's columns
-            float* v = sV + tt * bvt;
-            float* bt = sB + tt * bvt;
-            const char* rv = reinterpret_cast<const char*>(v) + (4 - es) * bvt;
-            const char* rb = reinterpret_cast<const char*>(bt) + (4 - bes) * bvt;
-            float xv[MC], xb[MC];
-#pragma unroll
-            for (int i = 0; i < MC; ++i) {
-              const int c = lane + 32 * i;
-              xv[i] = xb[i] = 0.f;
-              if (c < bvt) {
-                xv[i] = raw_at(rv, in_dt, c);
-                xb[i] = a.beta_cols ? raw_at(rb, a.beta.dtype, c) : bt[0];
-              }
-            }
-            __syncwarp();
-#pragma unroll
-            for (int i = 0; i < MC; ++i) {
-              const int c = lane + 32 * i;
-              if (c < bvt) {
-                v[c] = xv[i];
-                bt[c] = beta_fast(xb[i], a.beta_sigmoid, a.neg_eigval);
-              }
-            }
-          }
-        }
-        __syncthreads();
-      }
-
+      if (p == 0 || multi) prepare(i0, nb, p == 0 && i0 == 0);
       if (i0 == 0) load_pass();  // after the first preparation, which the state's copies overlap
-
-      // 3. The tokens, state in registers.
       for (int tt = 0; tt < nb; ++tt) {
-        const float* q = sQ + tt * KP;
-        const float* k = sK + tt * KP;
-        const float* g = sA + tt * KP;
-        const int64_t s = int64_t(t0) + i0 + tt;
-        const float qk = sQK[tt];
-        const int64_t orow = a.out.offset(b, s, hv) + col0;
-        float e[NJ];
-        token_sums_e<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
-          const int d = key_unit<L, VK>(dd, lane);
-          load_keys<GRP>(g + d, g_);
-          load_keys<GRP>(k + d, k_);
-          load_keys<GRP>(q + d, q_);
-        }, [&](int jj, float pk, float pq, bool store) {
-          const int cl = pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane);  // column within the CTA tile
-          const float ej = sB[tt * bvt + cl] * (sV[tt * bvt + cl] - pk);
-          if (store && col0 + cl < Vc) a.out.store(orow + cl, fmaf(qk, ej, pq));
-          return ej;
-        }, e);
-        token_update<L>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_unit<L, VK>(dd, lane), k_); }, e);
+        run_token(tt, i0, pc0, S);
         if (a.token_states.present()) {
-          store_state(a.token_states, a.token_states.block(int64_t(b) * a.T + s, hv), pc0, pl, S);
+          store_state(a.token_states, a.token_states.block(int64_t(b) * a.T + t0 + i0 + tt, hv), pc0, pl, S);
         }
         if (per_token) {
           const int w = sSlot[tt];
