@@ -98,7 +98,23 @@ def chunk_kda(
             raise InvalidArgumentError("output_final_state: must be False with cp_context (context parallelism)")
         if getattr(cp_context, "cu_seqlens", None) is None:
             raise InvalidArgumentError("cp_context: its cu_seqlens must be set")
-        raise NotImplementedError("cp_context: multi-GPU context parallelism is not available in this kdakit version")
+        if cu_seqlens is not None or cu_seqlens_cpu is not None:
+            raise InvalidArgumentError("cu_seqlens: must be None with cp_context (the context holds the local ones)")
+        if return_intermediate_states:
+            raise InvalidArgumentError("return_intermediate_states: not taken with cp_context (context parallelism)")
+        serving = [n for n, t in (("ssm_state_indices", ssm_state_indices), ("has_initial_state", has_initial_state),
+                                  ("out", out)) if t is not None]
+        if serving:
+            raise InvalidArgumentError(f"{serving[0]}: not taken with cp_context (context parallelism)")
+        if state_v_first:
+            raise InvalidArgumentError("state_v_first: not taken with cp_context (no state goes in or out)")
+        from . import cp
+
+        opts = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+                    disable_recompute=disable_recompute, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size)
+        return cp.forward(q, k, v, g, beta, cp_context, **opts), None
     if lower_bound is not None and not use_gate_in_kernel and not safe_gate:
         raise InvalidArgumentError(
             f"lower_bound: {lower_bound} has no effect on a pre-gated g (use_gate_in_kernel=False); pass it with "

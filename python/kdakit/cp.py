@@ -6,8 +6,12 @@ share's edge are cut (spec §7.1). A cut piece maps the state it receives affine
 (spec §7.2); the forward exchange (spec §7.3) gathers every rank's `(S_ext, M)` for its last local sequence and each
 rank folds those of the ranks its first sequence spans into that sequence's initial state.
 
-The multi-GPU run (the all-gather over NCCL inside `chunk_kda`) is not here yet: `_simulated_forward` plays a whole
-group on one device, a list standing for the all-gather, to pin the algebra to the single-device `chunk_kda`.
+`chunk_kda(..., cp_context=ctx)` runs it over the context's torch.distributed group (`forward`): each rank computes
+its last local piece's `(S_ext, M)` with kdakit's own forward, one all-gather exchanges them, each rank folds its
+incoming state and runs its local batch from it. Every step is differentiable (the all-gather through
+`torch.distributed.nn`), so autograd gives the backward across ranks, gradients of `(S_ext, M)` included. The
+transition costs one more forward over the last local piece, with K value columns: correct, not yet fast.
+`_simulated_forward` plays a whole group on one device, a list standing for the all-gather.
 """
 from __future__ import annotations
 
@@ -237,6 +241,95 @@ def merge_forward_states(states: Sequence[Optional[torch.Tensor]], transitions: 
             f"states: expected one entry per rank in states, transitions and pre_num_ranks, got "
             f"{len(states)}, {len(transitions)} and {len(pre_num_ranks)}")
     return [fold_incoming_state(states, transitions, r, p) for r, p in enumerate(pre_num_ranks)]
+
+
+# ---- the run over a process group ----
+
+_PIECE_OPTIONS = _TRANSITION_OPTIONS + ("safe_gate", "scale", "chunk_size", "disable_recompute")
+
+
+def _context_view(ctx) -> Tuple[int, int, bool, bool, int]:
+    """(rank, world_size, first continues, last continues, pre_num_ranks) of kdakit's context or FLA's."""
+    group = getattr(ctx, "group", None)
+    if group is None:
+        raise InvalidArgumentError("cp_context: its group must be set (a torch.distributed process group)")
+    missing = [n for n in ("cu_seqlens", "is_first_rank", "is_last_rank", "pre_num_ranks") if not hasattr(ctx, n)]
+    if missing:
+        raise InvalidArgumentError(f"cp_context: expected kdakit's or FLA's context, it has no {', '.join(missing)}")
+    import torch.distributed as dist
+
+    return (dist.get_rank(group), dist.get_world_size(group), not bool(ctx.is_first_rank),
+            not bool(ctx.is_last_rank), int(ctx.pre_num_ranks))
+
+
+def forward(q, k, v, g, beta, ctx, **opts):
+    """chunk_kda over the context's group: this rank's output for its local packed batch (q [1, T_local, H, K]).
+
+    opts: chunk_kda's gate, beta, normalisation, scale and chunk options. Collective: every rank of the group calls
+    it, with the same options.
+    """
+    import torch.distributed as dist
+    from .chunk import chunk_kda
+
+    bad = sorted(set(opts) - set(_PIECE_OPTIONS))
+    if bad:
+        raise InvalidArgumentError(f"{bad[0]}: not taken with cp_context (context parallelism)")
+    rank, world_size, from_previous, into_next, pre = _context_view(ctx)
+    if isinstance(ctx, CPContext):
+        check_local_length(ctx, q)
+    elif q.dim() < 2 or q.shape[0] != 1:
+        raise InvalidArgumentError(
+            f"q: under context parallelism expected a packed local q of shape [1, T, ...], got {tuple(q.shape)}")
+    cu = ctx.cu_seqlens
+    cu_cpu = getattr(ctx, "cu_seqlens_cpu", None)
+    cu_cpu = cu.detach().to("cpu") if cu_cpu is None else cu_cpu
+    HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+    transition_opts = {n: opts[n] for n in _TRANSITION_OPTIONS + ("safe_gate", "chunk_size") if n in opts}
+
+    # This rank's contribution: its last local piece from a zero state, and the piece's transition (the same forward
+    # with v = 0 and K value columns from the identity: the state it reaches is M).
+    if into_next:
+        lo = int(cu_cpu[-2].item())
+        piece = [t[:, lo:] for t in (q, k, v, g, beta)]
+        _, S_ext = chunk_kda(*piece, output_final_state=True, **opts)
+        eye = torch.eye(K, dtype=torch.float32, device=q.device).expand(1, HV, K, K).contiguous()
+        zeros_v = torch.zeros(piece[1].shape[:2] + (HV, K), dtype=v.dtype, device=v.device)
+        _, M = chunk_kda(piece[1], piece[1], zeros_v, piece[3], piece[4], initial_state=eye, output_final_state=True,
+                         **transition_opts)
+        mine = torch.cat([S_ext[0], M[0]], dim=-1)  # [HV, K, V + K]
+    else:
+        mine = torch.zeros((HV, K, V + K), dtype=torch.float32, device=q.device)
+    # The exchange's backward is a collective too: every rank takes the differentiable all-gather where a gradient
+    # may be asked for (the same inputs require grad on every rank), also one that sends nothing.
+    tracked = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, opts.get("A_log"), opts.get("dt_bias")))
+    if tracked:
+        if not mine.requires_grad:
+            mine = mine.detach().requires_grad_(True)
+        import warnings
+        from torch.distributed.nn.functional import all_gather as all_gather_grad
+
+        with warnings.catch_warnings():  # its deprecation notice names an op without a backward over gloo
+            warnings.simplefilter("ignore", FutureWarning)
+            gathered = list(all_gather_grad(mine, group=ctx.group))
+    else:
+        gathered = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(gathered, mine.contiguous(), group=ctx.group)
+    states = [t[..., :V] for t in gathered]
+    transitions = [t[..., V:] for t in gathered]
+    S_in = fold_incoming_state(states, transitions, rank, pre) if from_previous else None
+
+    N = cu_cpu.numel() - 1
+    h0 = None
+    if S_in is not None:
+        rest = torch.zeros((N - 1, HV, K, V), dtype=torch.float32, device=q.device)
+        h0 = torch.cat([S_in[None].to(torch.float32), rest], dim=0)
+    o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **opts)
+    if tracked:
+        # Every rank's output depends on the exchange, also where nothing of it is read (a rank whose first sequence
+        # starts there), so that every rank runs the exchange's backward collective.
+        o = o + (torch.stack(gathered).sum() * 0).to(o.dtype)
+    return o
 
 
 # ---- a whole group played on one device ----

@@ -171,13 +171,6 @@ def test_fold_errors():
         cp.merge_forward_states([S, S], [M, M], [0])
 
 
-def test_chunk_kda_accepts_the_context_and_still_raises_not_implemented():
-    ctx = cp.build_context(cu_of([10, 30]), rank=1, world_size=2)
-    x = torch.rand(1, 20, 1, 8)
-    with pytest.raises(NotImplementedError, match="cp_context"):
-        kdakit.chunk_kda(x, x, x, -x, torch.rand(1, 20, 1), cp_context=ctx)
-
-
 # ---- the algebra ----
 
 def inputs(T, H, HV, K, V, *, use_gate=False, l2=False):

@@ -1,0 +1,122 @@
+"""chunk_kda(..., cp_context=...) over a real torch.distributed group: ranks as processes, on the CPU (gloo) or one
+GPU each (NCCL, where the machine has enough GPUs), each holding its share of one packed batch, against CPU chunk_kda
+on the whole batch in one process: outputs, and the gradients of q, k, v, g, beta (the rank's tokens) and of A_log,
+dt_bias (summed over ranks) through the autograd of the exchange (spec §7)."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import kdakit
+from conftest import assert_close
+from kdakit import cp
+
+# Relative RMS against CPU chunk_kda on the whole batch (fp32 chunked forward, float64 backward; spec §3.3, §6.1).
+TOL = {"cpu": dict(o=1e-5, grad=1e-4), "cuda": dict(o=1e-4, grad=1e-4)}  # float32 inputs
+
+CASES = {  # name: sequence lengths (packed, B = 1); totals divisible by 2 and 4
+    "fixed": [32, 32, 32, 32],
+    "crossing": [70, 3, 41, 14],    # sequences over rank edges, one shorter than a rank's share
+    "one-long": [128],              # one sequence over every rank
+}
+
+
+def make_inputs(lengths, use_gate, seed):
+    gen = torch.Generator().manual_seed(seed)
+    T, H, HV, K, V = sum(lengths), 2, 4, 16, 8  # GVA: HV = 2H
+    rand = lambda *s: torch.rand(*s, generator=gen)  # noqa: E731
+    q, k = torch.nn.functional.normalize(rand(1, T, H, K), dim=-1), torch.nn.functional.normalize(rand(1, T, H, K), dim=-1)
+    v = rand(1, T, HV, V)
+    opts = dict(chunk_size=32)
+    if use_gate:
+        g = torch.randn(1, T, HV, K, generator=gen)
+        opts.update(use_gate_in_kernel=True, A_log=torch.log(1 + 15 * rand(HV)), dt_bias=torch.randn(HV * K, generator=gen))
+    else:
+        g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV, K, generator=gen))
+    beta = torch.sigmoid(torch.randn(1, T, HV, generator=gen))
+    w = torch.randn(1, T, HV, V, generator=gen)  # the loss's weights
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    return (q, k, v, g, beta), opts, w, cu
+
+
+def grads_of(tensors, opts, fn):
+    """fn(leaves, params) -> loss; the gradients of the leaves and of A_log / dt_bias."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    params = {n: opts[n].detach().clone().requires_grad_(True) for n in ("A_log", "dt_bias") if n in opts}
+    out = fn(leaves, {**opts, **params})
+    out[1].backward()
+    return out[0].detach(), [t.grad for t in leaves], {n: p.grad for n, p in params.items()}
+
+
+def run_rank(rank, world_size, init_file, lengths, use_gate, seed, device):
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
+                           world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        tensors, opts, w, cu = make_inputs(lengths, use_gate, seed)
+        tol = TOL[device]
+        ref_o, ref_g, ref_p = grads_of(tensors, opts, lambda x, o: (
+            lambda out: (out, (out * w).sum()))(kdakit.chunk_kda(*x, cu_seqlens=cu, **o)[0]))
+        dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+        ctx = cp.build_context(cu.to(dev), group=dist.group.WORLD)
+        s, e = ctx.token_start, ctx.token_end
+        local = [t[:, s:e].to(dev) for t in tensors]
+        local_opts = {n: (t.to(dev) if isinstance(t, torch.Tensor) else t) for n, t in opts.items()}
+        w_local = w[:, s:e].to(dev)
+
+        def local_loss(x, o):
+            out, final = kdakit.chunk_kda(*x, cp_context=ctx, **o)
+            assert final is None
+            return out, (out * w_local).sum()
+
+        o, g, p = grads_of(local, local_opts, local_loss)
+        assert_close(f"rank {rank}: o", ref_o[:, s:e], o.cpu(), tol["o"])
+        for name, want, got in zip(("dq", "dk", "dv", "dg", "dbeta"), ref_g, g):
+            assert_close(f"rank {rank}: {name}", want[:, s:e], got.cpu(), tol["grad"])
+        for name, got in p.items():  # parameters shared by every token: the ranks' parts summed
+            dist.all_reduce(got, group=dist.group.WORLD)
+            assert_close(f"rank {rank}: d{name}", ref_p[name], got.cpu(), tol["grad"])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("use_gate", [False, True])
+def test_group_matches_one_process(device, world_size, case, use_gate):
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this torch build")
+    if device == "cuda":
+        if not (torch.cuda.is_available() and kdakit.cuda_available() and dist.is_nccl_available()):
+            pytest.skip("no CUDA device, NCCL, or kdakit CUDA kernels")
+        if torch.cuda.device_count() < world_size:
+            pytest.skip(f"{world_size} ranks need {world_size} GPUs, this machine has {torch.cuda.device_count()}")
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(run_rank, args=(world_size, os.path.join(d, "init"), CASES[case], use_gate, 1234, device),
+                 nprocs=world_size, join=True)
+
+
+def test_context_without_group_is_refused():
+    ctx = cp.build_context(torch.tensor([0, 10, 30], dtype=torch.int32), rank=1, world_size=2)
+    x = torch.rand(1, 20, 1, 8)
+    with pytest.raises(kdakit.InvalidArgumentError, match="cp_context: its group must be set"):
+        kdakit.chunk_kda(x, x, x, -x, torch.rand(1, 20, 1), cp_context=ctx)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (dict(cu_seqlens=torch.tensor([0, 20], dtype=torch.int32)), "cu_seqlens: must be None with cp_context"),
+    (dict(return_intermediate_states=True), "return_intermediate_states: not taken with cp_context"),
+    (dict(state_v_first=True), "state_v_first: not taken with cp_context"),
+    (dict(out=torch.empty(1, 20, 1, 8)), "out: not taken with cp_context"),
+])
+def test_cp_refuses_what_it_cannot_take(extra, match):
+    ctx = cp.build_context(torch.tensor([0, 10, 30], dtype=torch.int32), rank=1, world_size=2)
+    x = torch.rand(1, 20, 1, 8)
+    with pytest.raises(kdakit.InvalidArgumentError, match=match):
+        kdakit.chunk_kda(x, x, x, -x, torch.rand(1, 20, 1), cp_context=ctx, **extra)
