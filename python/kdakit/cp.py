@@ -123,11 +123,39 @@ def _global_boundaries(cu_seqlens_global) -> torch.Tensor:
     return cu
 
 
+def _is_process_group(group) -> bool:
+    """A torch.distributed group of an initialised default group (stand-ins that only answer rank() and size() are
+    not checked across ranks)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and isinstance(group, dist.ProcessGroup)
+
+
+def _check_same_on_every_rank(cu: torch.Tensor, group) -> None:
+    """Raise on every rank unless all ranks of `group` passed the same boundaries (one small all-gather)."""
+    import torch.distributed as dist
+
+    n = cu.numel()
+    weights = torch.arange(1, n + 1, dtype=torch.int64)
+    mine = torch.stack([torch.tensor(n), cu.sum(), (cu * weights).sum(), (cu * weights * weights).sum()])
+    if dist.get_backend(group) == "nccl":
+        mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+    seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(seen, mine, group=group)
+    differ = [r for r, t in enumerate(seen) if not torch.equal(t, seen[0])]
+    if differ:
+        raise InvalidArgumentError(
+            f"cu_seqlens_global: every rank must pass the same boundaries; rank {differ[0]}'s differ from rank 0's "
+            f"(entries, sum: {seen[differ[0]][0].item()}, {seen[differ[0]][1].item()} against "
+            f"{seen[0][0].item()}, {seen[0][1].item()})")
+
+
 def build_context(cu_seqlens_global: torch.Tensor, group=None, *, rank: Optional[int] = None,
                   world_size: Optional[int] = None) -> CPContext:
     """This rank's context for the packed batch `cu_seqlens_global` (B = 1), FLA's `build_cp_context` partition.
 
-    With `group` (a torch.distributed ProcessGroup) rank and world_size come from it; explicit ones must agree.
+    With `group` (a torch.distributed ProcessGroup) rank and world_size come from it; explicit ones must agree, and
+    every rank must pass the same `cu_seqlens_global` (checked by a collective: every rank of the group calls it).
     """
     rank, world_size = _group_rank_and_size(group, rank, world_size)
     world_size = _check_int("world_size", world_size, 1)
@@ -135,6 +163,8 @@ def build_context(cu_seqlens_global: torch.Tensor, group=None, *, rank: Optional
     if rank >= world_size:
         raise InvalidArgumentError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
     cu = _global_boundaries(cu_seqlens_global)
+    if group is not None and _is_process_group(group):
+        _check_same_on_every_rank(cu, group)
     total = int(cu[-1].item())
     if total == 0 or total % world_size != 0:
         raise InvalidArgumentError(

@@ -102,6 +102,25 @@ def test_group_matches_one_process(device, world_size, case, use_gate):
                  nprocs=world_size, join=True)
 
 
+def disagree_rank(rank, world_size, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        cu = torch.tensor([0, 10, 30] if rank != 1 else [0, 12, 30], dtype=torch.int32)
+        with pytest.raises(kdakit.InvalidArgumentError, match="cu_seqlens_global: every rank must pass the same"):
+            cp.build_context(cu, group=dist.group.WORLD)
+        same = cp.build_context(torch.tensor([0, 10, 30], dtype=torch.int32), group=dist.group.WORLD)
+        assert same.rank == rank and same.world_size == world_size
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_disagree_on_the_boundaries_are_refused():
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this torch build")
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(disagree_rank, args=(2, os.path.join(d, "init")), nprocs=2, join=True)
+
+
 def test_context_without_group_is_refused():
     ctx = cp.build_context(torch.tensor([0, 10, 30], dtype=torch.int32), rank=1, world_size=2)
     x = torch.rand(1, 20, 1, 8)
