@@ -358,8 +358,22 @@ def forward(q, k, v, g, beta, ctx, **opts):
     if tracked:
         # Every rank's output depends on the exchange, also where nothing of it is read (a rank whose first sequence
         # starts there), so that every rank runs the exchange's backward collective.
-        o = o + (torch.stack(gathered).sum() * 0).to(o.dtype)
+        o = _TiedToExchange.apply(o, *gathered)
     return o
+
+
+class _TiedToExchange(torch.autograd.Function):
+    """o unchanged, with the gathered contributions as inputs whose gradient from o is zero: the autograd edge that
+    puts the exchange into every rank's backward (an arithmetic tie, 0 * x, would carry a non-finite x into o)."""
+
+    @staticmethod
+    def forward(ctx, o, *gathered):
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in gathered]
+        return o.clone()  # not a view: the caller may modify it in place
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        return (grad_o,) + tuple(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes)
 
 
 # ---- a whole group played on one device ----
