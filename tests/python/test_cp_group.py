@@ -81,6 +81,7 @@ def run_rank(rank, world_size, init_file, lengths, use_gate, seed, device):
         for name, got in p.items():  # parameters shared by every token: the ranks' parts summed
             dist.all_reduce(got, group=dist.group.WORLD)
             assert_close(f"rank {rank}: d{name}", ref_p[name], got.cpu(), tol["grad"])
+        dist.barrier()  # no rank tears the group down while another's last collective is in flight
     finally:
         dist.destroy_process_group()
 
@@ -110,6 +111,7 @@ def disagree_rank(rank, world_size, init_file):
             cp.build_context(cu, group=dist.group.WORLD)
         same = cp.build_context(torch.tensor([0, 10, 30], dtype=torch.int32), group=dist.group.WORLD)
         assert same.rank == rank and same.world_size == world_size
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
