@@ -4,6 +4,7 @@
 #include <atomic>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -51,7 +52,15 @@ void parallel_for(int64_t n, const std::function<void(int64_t, int)>& fn) {
   };
   std::vector<std::thread> threads;
   threads.reserve(workers - 1);
-  for (int w = 1; w < workers; ++w) threads.emplace_back(body, w);
+  // A thread the system cannot start leaves its share to the others (the items are claimed one by one, so the results
+  // do not depend on the worker count); the threads already started are always joined, never left joinable.
+  for (int w = 1; w < workers; ++w) {
+    try {
+      threads.emplace_back(body, w);
+    } catch (const std::system_error&) {
+      break;
+    }
+  }
   body(0);
   for (auto& t : threads) t.join();
   if (error) std::rethrow_exception(error);

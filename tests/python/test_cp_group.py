@@ -57,7 +57,8 @@ def run_rank(rank, world_size, init_file, lengths, use_gate, seed, device):
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
                            world_size=world_size)
     try:
-        torch.set_num_threads(1)
+        torch.set_num_threads(1)  # ranks share the machine's cores
+        kdakit._C.set_cpu_threads(1)
         tensors, opts, w, cu = make_inputs(lengths, use_gate, seed)
         tol = TOL[device]
         ref_o, ref_g, ref_p = grads_of(tensors, opts, lambda x, o: (
