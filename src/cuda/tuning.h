@@ -27,6 +27,8 @@ struct Tuning {
   bool decode_general = false;
   float decode_prefetch = 1.f;    // CTAs per SM
   int decode_one_staged = -1;     // < 0: the planner's choice
+  bool decode_kv_regs = true;     // false: bf16 [K,V] multi-token tiles pass by pass (DecodeLaunch::kv_regs)
+  int decode_vt_inner = -1;       // 0: V tiles in blockIdx.z; else the planner's choice (DecodeLaunch::vt_shift)
 
   static Tuning from_environment();
 };

@@ -52,7 +52,11 @@ struct DecodeOneArgs {
   // order (one per SM: a CTA that starts soon after this one, docs/perf-notes.md); 0: no prefetch.
   uint16_t prefetch_ahead = 0;
   int8_t group_shift = -1;
-  uint8_t passes = 1;  // column groups per CTA tile; > 1: the state is staged in shared memory (cp.async)
+  // Bits 0-3: the column groups per CTA tile (passes; > 1: the state is staged in shared memory by cp.async). Bits
+  // 4-7: vt_shift; > 0: the V tiles (a power of two) of one (sequence, head) are adjacent in launch order, in
+  // blockIdx.x's low vt_shift bits (else blockIdx.z), so that the CTAs of one state block run together
+  // (DecodeLaunch::vt_shift).
+  uint8_t tiling = 1;
   // Bits 0-1: q, k, v and out's DType; kSide32: g and beta are float32 (else q's dtype); kIdx64: int64 slot ids;
   // bits 4-7: has_initial_state's DType.
   uint8_t dtypes = 0;
@@ -81,6 +85,15 @@ struct DecodeOneArgs {
     }
     return __ldg(static_cast<const int*>(state_indices) + n * int(idx_stride));
   }
+  __host__ __device__ int passes() const { return tiling & 15; }
+  __host__ __device__ int vt_shift() const { return tiling >> 4; }
+  __host__ void set_tiling(int passes_, int vt_shift_) { tiling = static_cast<uint8_t>(passes_ | (vt_shift_ << 4)); }
+  // The CTA's sequence row, V tile, and the number of sequence rows of the grid (vt_shift above).
+  __device__ __forceinline__ int cta_row() const { return static_cast<int>(blockIdx.x >> vt_shift()); }
+  __device__ __forceinline__ int cta_vtile() const {
+    return vt_shift() > 0 ? static_cast<int>(blockIdx.x & ((1u << vt_shift()) - 1)) : static_cast<int>(blockIdx.z);
+  }
+  __device__ __forceinline__ int grid_rows() const { return static_cast<int>(gridDim.x >> vt_shift()); }
   // Whether a slot id reads and writes nothing (StateIO's padding rule).
   __device__ __forceinline__ bool padding(int slot) const { return slot < 0 || slot == pad_slot || slot >= slots; }
 };
@@ -121,6 +134,9 @@ struct DecodeArgs : DecodeOneHead, KdaArgs {
   bool stage_state = false;
   bool beta_cols = false;  // beta [B,T,HV,V] (one per value column) instead of [B,T,HV]
   int tb = 16;
+  // bf16 [K,V] whole tiles (FULL) at <= 2 passes: every pass's state in registers across tokens, the state outputs
+  // staged through the tile and a second buffer of its size after it (DecodeLaunch::kv_regs).
+  bool kv_regs = false;
 };
 
 }  // namespace kdakit::cuda

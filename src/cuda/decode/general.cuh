@@ -16,8 +16,13 @@ namespace kdakit::cuda {
 // the state per thread. The state loads in flight are not bounded by registers: the tile is staged in shared memory.
 // [K,V] tiles at KP = 128 (row-segment offsets beside whole tiles, per-row masks beside others) take up to 128
 // (four CTAs).
-template <bool VK, int KP>
-constexpr int decode_min_blocks() { return KP > 128 ? 2 : (!VK && KP == 128 ? 4 : 5); }
+// bf16 [K,V] whole tiles at KP = 128 hold two passes' states across tokens (KV_REGS below): three CTAs (up to 168
+// registers), without spills.
+template <typename PoolT, bool VK, int KP, bool FULL>
+constexpr int decode_min_blocks() {
+  if (!VK && KP == 128 && FULL && !std::is_same<PoolT, float>::value) return 3;
+  return KP > 128 ? 2 : (!VK && KP == 128 ? 4 : 5);
+}
 
 // The kernel takes its arguments by value (not __grid_constant__): ptxas then reads them from the constant bank at
 // every use instead of holding them in registers across the token loop.
@@ -31,7 +36,7 @@ constexpr int decode_min_blocks() { return KP > 128 ? 2 : (!VK && KP == 128 ? 4 
 // per SM); longer ones (varlen calls whose lengths the host could not read) the general path.
 template <typename PoolT, bool VK, int KP, bool FULL, bool ONE>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
-                                  (ONE ? 4 : decode_min_blocks<VK, KP>()))
+                                  (ONE ? 4 : decode_min_blocks<PoolT, VK, KP, FULL>()))
     decode_kernel(const DecodeArgs a) {
   using namespace decode_detail;
   static_assert(!(ONE && FULL), "the one-token form falls back to the general (masked) path");
@@ -52,7 +57,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   const int passes = a.passes, bvt = bv * passes;  // columns per pass; columns of the CTA tile
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // Grid (N, HV, vtiles): no divisions on the way to the slot load.
-  const int n = static_cast<int>(blockIdx.x), hv = static_cast<int>(blockIdx.y), vt = static_cast<int>(blockIdx.z);
+  const int n = a.one.cta_row(), hv = static_cast<int>(blockIdx.y), vt = a.one.cta_vtile();
   const int h = hv / a.group;
   const int col0 = vt * bvt;  // the CTA's first value column
 
@@ -61,7 +66,8 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   const int es = a.q.dtype == DType::kFloat32 ? 4 : 2, ges = a.g.dtype == DType::kFloat32 ? 4 : 2,
             bes = a.beta.dtype == DType::kFloat32 ? 4 : 2;
   const DecodeSmem lay(KP, tb, bvt,
-                       stage_state ? decode_staged_bytes(KP, int(sizeof(PoolT)), nthreads, passes) : 0);
+                       stage_state ? decode_staged_bytes(KP, int(sizeof(PoolT)), nthreads, passes) * (a.kv_regs ? 2 : 1)
+                                   : 0);
   // The key rows: raw inputs in key order, widened in place into the threads' read order (key_pos).
   float* sQ = reinterpret_cast<float*>(smem + lay.q);     // [tb][KP] q * scale / |q|
   float* sK = reinterpret_cast<float*>(smem + lay.k);     // [tb][KP] k / |k|
@@ -179,9 +185,9 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   // each token runs the passes on it (ldmatrix in, stmatrix back), and state outputs are written by whole row
   // segments, two barriers per output instead of two per pass. Between tokens the state then lives in the pool's
   // dtype, so a bf16 pool's longer sequences take the passes one by one instead (the state in fp32 registers across
-  // tokens), each pass its own tile.
+  // tokens), each pass its own tile (or, with KV_REGS, all passes' tiles at once).
   constexpr bool ROWS = FULL && !VK;
-  const bool whole = ROWS && (std::is_same<PoolT, float>::value || len <= 1);  // CTA-uniform
+  const bool whole = ROWS && !a.kv_regs && (std::is_same<PoolT, float>::value || len <= 1);  // CTA-uniform
   const int tile_vecs = L::NVEC * nthreads * 16 + (ROWS ? int(kDecodeKvRowPad) : 0);  // bytes of one pass
   char* sTile = smem + lay.state;
   // Where a warp's vectors lie (FULL: K = KP and no masks, so offsets and bounds are compile-time where possible).
@@ -330,6 +336,61 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
     }, e);
     token_update<L>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_unit<L, VK>(dd, lane), k_); }, e);
   };
+
+  // bf16 [K,V] whole tiles of longer sequences at one or two passes (KV_REGS, the host's choice): tokens outer, every
+  // pass's state in fp32 registers across tokens (so the per-pass order's numbers, to the bit), each state output
+  // staged for all passes at once and written by row segments. One barrier per output: the staging alternates between
+  // the tile and a second buffer after it, so a buffer is written again only after every thread passed the barrier of
+  // the output in between (its reads of the buffer are done). A warp's ldmatrix / stmatrix words are its own.
+  if constexpr (ROWS && KP == 128 && !std::is_same<PoolT, float>::value) {
+    if (a.kv_regs) {
+      float S2[2][NJ][ND];
+      const size_t second = size_t(passes) * tile_vecs;  // the second buffer's offset from the tile
+      bool buf = false;
+      auto load_regs = [&]() {
+        cp_async_wait(0);
+        __syncthreads();  // the tile's rows were copied by other threads
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          if (p < passes) load_rows_staged<PoolT, KP>(S2[p], sTile + size_t(p) * tile_vecs, nthreads, 0, 1);
+        }
+      };
+      auto store_regs = [&](const StateRef& st, int64_t block) {  // CTA-uniform calls
+        char* sm = sTile + (buf ? second : 0);
+        buf = !buf;
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          if (p < passes) stage_block_out<PoolT, KP>(S2[p], sm + size_t(p) * tile_vecs, nthreads, 0, 1);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          if (p < passes) {
+            store_rows<PoolT, KP>(static_cast<PoolT*>(st.p) + block + col0 + p * bv, a.V, sm + size_t(p) * tile_vecs,
+                                  nthreads, 1);
+          }
+        }
+      };
+      if (len <= 0) load_regs();  // an empty sequence: its final state is its initial state
+      for (int i0 = 0; i0 < len; i0 += tb) {
+        const int nb = static_cast<int>(len - i0 < tb ? len - i0 : tb);
+        prepare(i0, nb, i0 == 0);
+        if (i0 == 0) load_regs();
+        for (int tt = 0; tt < nb; ++tt) {
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {
+            if (p < passes) run_token(tt, i0, p * bv, S2[p]);
+          }
+          if (a.token_states.present()) {
+            store_regs(a.token_states, a.token_states.block(int64_t(b) * a.T + t0 + i0 + tt, hv));
+          }
+          if (per_token && sSlot[tt] >= 0) store_regs(a.final_state, a.final_state.block(sSlot[tt], hv));
+        }
+      }
+      if (wslot >= 0) store_regs(a.final_state, a.final_state.block(wslot, hv));
+      return;
+    }
+  }
 
   if (whole) {
     // The whole tile's rows to a state output (CTA-uniform calls): every thread's words are in by the first barrier,

@@ -14,8 +14,9 @@ namespace kdakit::cuda {
 
 template <typename PoolT, bool VK, int KP>
 void launch_decode_kernel(const DecodeArgs& a, const DecodeConfig& cfg, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(a.N) + (a.tail_cta ? 1u : 0u), static_cast<unsigned>(a.HV),
-                  static_cast<unsigned>(a.vtiles));
+  const unsigned rows = static_cast<unsigned>(a.N) + (a.tail_cta ? 1u : 0u);
+  const dim3 grid(a.one.vt_shift() > 0 ? rows << a.one.vt_shift() : rows, static_cast<unsigned>(a.HV),
+                  a.one.vt_shift() > 0 ? 1u : static_cast<unsigned>(a.vtiles));
   auto kernel = cfg.full ? decode_kernel<PoolT, VK, KP, true, false> : decode_kernel<PoolT, VK, KP, false, false>;
   bool one_entry = false;
   if constexpr (KP <= 128) {

@@ -25,8 +25,8 @@ struct OneTokenSeq {
   int slot1, has, row, len;
   bool pad;
   __device__ __forceinline__ explicit OneTokenSeq(const DecodeOneArgs& o) {
-    const int n = static_cast<int>(blockIdx.x);
-    const bool tail = o.tokens > 0 && n == static_cast<int>(gridDim.x) - 1;  // the padded token tail's CTA row
+    const int n = o.cta_row();
+    const bool tail = o.tokens > 0 && n == o.grid_rows() - 1;  // the padded token tail's CTA row
     slot1 = o.state_indices != nullptr && !tail ? o.slot_of(n) : n;
     pad = tail || (o.state_indices != nullptr && o.padding(slot1));
     has = 1;
@@ -68,15 +68,15 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   const int h = o.group_shift >= 0 ? hv >> o.group_shift : hv / o.group;
   // The CTA tile: `passes` column groups of bv = 8 * warps columns (STAGED; one otherwise); this warp's columns of
   // pass p start at wcol0 + p * bv. The thread's keys, and so its q, k and gate, are the same in every pass.
-  const int passes = STAGED ? o.passes : 1, bv = (blockDim.x >> 5) * kDecodeWarpCols;
-  const int wcol0 = static_cast<int>(blockIdx.z) * bv * passes + warp * kDecodeWarpCols;
+  const int passes = STAGED ? o.passes() : 1, bv = (blockDim.x >> 5) * kDecodeWarpCols;
+  const int wcol0 = o.cta_vtile() * bv * passes + warp * kDecodeWarpCols;
   const bool one_range = VK || passes * bv == int(o.V);  // the CTA tile is one contiguous range of the pool
 
   // Token inputs: every load is issued before any is used (the inputs' offsets do not depend on the slot; with
   // cu_seqlens they wait for the sequence's start).
   const int slot1 = sq_.slot1, has = sq_.has, row = sq_.row, len = sq_.len;
   if (sq_.pad) {
-    zero_rows<In>(o, row, len, hv, static_cast<int>(blockIdx.z) * bv * passes, bv * passes);
+    zero_rows<In>(o, row, len, hv, o.cta_vtile() * bv * passes, bv * passes);
     return true;
   }
   LaterTile later;
@@ -148,7 +148,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   extern __shared__ __align__(16) char one_smem[];
   char* staged = one_smem + size_t(tid) * 16;  // this thread's slots
   const int pass_bytes = L::NVEC * static_cast<int>(blockDim.x) * 16;  // v-first: a pass's slots
-  const int tile_col0 = static_cast<int>(blockIdx.z) * bv * passes;  // the CTA tile's first column
+  const int tile_col0 = o.cta_vtile() * bv * passes;  // the CTA tile's first column
   float S[NJ][ND];
   auto zero_state = [&]() {
 #pragma unroll
@@ -268,7 +268,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
 }
 
 // The one-token form for this CTA: the sequence's scalars, then the body for q's dtype. False: the sequence has
-// more than one token (the general path takes over). STAGED: the state staged in shared memory over o.passes
+// more than one token (the general path takes over). STAGED: the state staged in shared memory over o.passes()
 // passes; a compile-time flag, so that the one-pass body (small batches, where a CTA's time follows the code it
 // fetches) carries no code of the staged one.
 template <typename PoolT, bool VK, int KP, bool STAGED>

@@ -110,6 +110,9 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
     if (!d.stage_state) break;
     const std::size_t tile = decode_state_tile_bytes(cfg.KP, pool_bytes, 32 * warps, P);
     if (P > col_tiles || tile > 32768 || smem_of(P) > kDecodeSmemLimit) continue;
+    // bf16 [K,V] tiles of longer sequences run pass by pass (the state stays fp32 between tokens), each state output
+    // two barriers per pass: four passes were slower than two (docs/perf-notes.md).
+    if (P > 2 && !vk && d.bf16_pool && longest > 1) continue;
     if (pr.N * pr.HV * ((col_tiles + P - 1) / P) < (tile > 16384 ? 16 : 3) * int64_t(sms)) continue;
     passes = P;
     break;
@@ -211,6 +214,20 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
   cfg.full = d.stage_state && pr.K == cfg.KP && pr.V % (int64_t(bv) * passes) == 0 &&
              same_as_pool(st.final_state, d.final_vec) && same_as_pool(p.token_states, d.token_states_vec) &&
              !tuning.decode_general;
+  // bf16 [K,V] whole tiles of multi-token sequences: every pass's state in registers across tokens (two passes at most),
+  // the state outputs staged through twice the tile's shared memory.
+  const std::size_t kv_regs_smem =
+      DecodeSmem(cfg.KP, d.tb, bv * passes, 2 * decode_staged_bytes(cfg.KP, pool_bytes, 32 * warps, passes)).total;
+  d.kv_regs = cfg.full && !cfg.one && !vk && d.bf16_pool && cfg.KP == 128 && longest > 1 && passes <= 2 &&
+              kv_regs_smem <= kDecodeSmemLimit && tuning.decode_kv_regs;
+  if (d.kv_regs) cfg.smem = kv_regs_smem;
+  // The V tiles of one (sequence, head) next to each other in launch order (DecodeLaunch::vt_shift): the CTAs writing
+  // one state block then run at the same time (docs/perf-notes.md).
+  if (tuning.decode_vt_inner != 0 && d.vtiles > 1 && (d.vtiles & (d.vtiles - 1)) == 0) {
+    int shift = 0;
+    while ((1 << shift) < d.vtiles) ++shift;
+    if (((pr.N + 1) << shift) < (int64_t(1) << 31)) d.vt_shift = shift;
+  }
   return d;
 }
 

@@ -41,6 +41,12 @@ struct DecodeLaunch {
   // cu_seqlens whose end the host cannot see at T: one more CTA row (blockIdx.x == N) zeroes the outputs of the padded
   // token tail [cu[N], T) (StateIO's padding rule).
   bool tail_cta = false;
+  // bf16 [K,V] whole tiles of multi-token sequences at <= 2 passes: the general form keeps every pass's state in
+  // registers across tokens and stages each state output once for all passes (twice the staged tile's shared memory).
+  bool kv_regs = false;
+  // The general form's grid puts the V tiles (a power of two) of one (sequence, head) next to each other in launch
+  // order, in blockIdx.x's low vt_shift bits (0: blockIdx.z), so that the CTAs writing one state block run together.
+  int vt_shift = 0;
 };
 
 // Throws InvalidArgument for inputs or states the kernels do not take.

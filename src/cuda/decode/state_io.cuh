@@ -526,10 +526,11 @@ struct LaterTile {
     if (o.prefetch_ahead <= 0 || threadIdx.x >= (one_range ? 1u : unsigned(KP))) return;
     unsigned x, y, zz;
     if (!later_place(o.prefetch_ahead, x, y, zz)) return;
-    z = zz;
+    const unsigned row = x >> o.vt_shift();  // the later CTA's sequence row and V tile (DecodeOneArgs::vt_shift)
+    z = o.vt_shift() > 0 ? x & ((1u << o.vt_shift()) - 1) : zz;
     hv = y;
-    if (o.tokens > 0 && x == gridDim.x - 1) return;  // the padded token tail's row: no state
-    slot = o.state_indices != nullptr ? o.slot_of(static_cast<int>(x)) : static_cast<int>(x);
+    if (o.tokens > 0 && row == unsigned(o.grid_rows()) - 1) return;  // the padded token tail's row: no state
+    slot = o.state_indices != nullptr ? o.slot_of(static_cast<int>(row)) : static_cast<int>(row);
   }
   template <typename PoolT, bool VK, int KP>
   __device__ __forceinline__ void prefetch(const DecodeOneArgs& o, int tile_cols, bool one_range) const {

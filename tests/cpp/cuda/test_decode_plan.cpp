@@ -110,6 +110,32 @@ TEST(DecodePlan, VerifyWithTwoDimensionalIndicesTakesTheWholeTileForm) {
   EXPECT_LE(d.cfg.smem, cuda::kDecodeSmemLimit);
 }
 
+TEST(DecodePlan, Bf16KvVerifyHoldsBothPassesInRegisters) {
+  DecodeCase c(1024, 4, 32, 32, DType::kBFloat16);
+  c.p.state.layout = StateLayout::kKV;
+  const TensorView pool = device_view(DType::kBFloat16, {1024 * 4, 32, 128, 128});
+  c.p.state.initial_state = c.p.state.final_state = pool;
+  c.p.state.state_indices = device_view(DType::kInt32, {1024, 4});
+  c.p.num_accepted_tokens = device_view(DType::kInt32, {1024});
+  const DecodeLaunch d = c.plan();
+  EXPECT_TRUE(d.cfg.full);
+  EXPECT_EQ(d.cfg.passes, 2);  // four passes in registers would not fit; pass by pass they were slower
+  EXPECT_TRUE(d.kv_regs);
+  const std::size_t tile = cuda::decode_staged_bytes(128, 2, 128, 2);
+  EXPECT_EQ(d.cfg.smem, cuda::DecodeSmem(128, 4, 64, 2 * tile).total);  // the tile and the second staging buffer
+  EXPECT_EQ(d.vtiles, 2);
+  EXPECT_EQ(d.vt_shift, 1);  // the two V tiles of a state block next to each other in launch order
+  Tuning t;
+  t.decode_kv_regs = false;
+  t.decode_vt_inner = 0;
+  const DecodeLaunch o = c.plan(kH200, t);
+  EXPECT_FALSE(o.kv_regs);
+  EXPECT_EQ(o.cfg.smem, cuda::DecodeSmem(128, 4, 64, tile).total);
+  EXPECT_EQ(o.vt_shift, 0);
+  // fp32 pools keep the whole tile in shared memory (no registers across tokens), v-first pools their own order.
+  EXPECT_FALSE(DecodeCase(64, 4, 16, 16).plan().kv_regs);
+}
+
 TEST(DecodePlan, FormsThatLeaveTheOneTokenForm) {
   {
     DecodeCase c(8, 1, 16, 16);
