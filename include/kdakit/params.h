@@ -66,6 +66,18 @@ struct KDAKIT_API StateIO {
   int64_t pad_slot_id = -1;      // >= -1; -1 (the default) or vLLM's NULL_BLOCK_ID 0
 };
 
+// The two halves of a forward under multi-device context parallelism (spec §7.6), CUDA only, one sequence per call.
+// kSummary: the work that does not depend on the start state, and the sequence's contribution to the later ranks,
+// written to ForwardParams::cp_summary, [HV, K, V + K] float32: row d holds S_ext[d, :] (the end state from a zero
+// start) then M[d, :] (the transition: end = M S_start + S_ext, spec §7.2); no outputs. kFinish: the outputs from
+// state.initial_state (the state the earlier ranks hand over; absent: zero), on the workspace that the kSummary call of
+// the same inputs left, untouched in between.
+enum class CpPhase : int32_t {
+  kNone = 0,
+  kSummary = 1,
+  kFinish = 2,
+};
+
 struct KDAKIT_API ForwardParams {
   KdaInputs in;
   StateIO state;
@@ -75,6 +87,8 @@ struct KDAKIT_API ForwardParams {
   // Optional [B,NT,HV,K,V] (varlen: [1,NT_total,HV,K,V]; v-first per state.layout): the state at the
   // start of every chunk. Float dtype.
   TensorView intermediate_states;
+  CpPhase cp_phase = CpPhase::kNone;  // see CpPhase
+  TensorView cp_summary;              // kSummary: [HV, K, V + K] float32, contiguous
   void* workspace = nullptr;  // see forward_workspace_size()
   std::size_t workspace_bytes = 0;
 };

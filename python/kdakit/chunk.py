@@ -34,6 +34,23 @@ def resolve_state_layout(state_v_first: bool, kwargs: dict) -> bool:
     return state_v_first
 
 
+def kernel_options(q, scale, use_gate_in_kernel: bool, lower_bound, safe_gate: bool, chunk_size):
+    """chunk_kda's checks of the gate and chunk options; the kernels' scale, gate mode and lower bound."""
+    if lower_bound is not None and not use_gate_in_kernel and not safe_gate:
+        raise InvalidArgumentError(
+            f"lower_bound: {lower_bound} has no effect on a pre-gated g (use_gate_in_kernel=False); pass it with "
+            "use_gate_in_kernel=True, or with safe_gate=True to state the bound of g")
+    if lower_bound is not None and not use_gate_in_kernel and not (-5.0 <= lower_bound < 0.0):
+        raise InvalidArgumentError(f"lower_bound: safe_gate=True needs lower_bound in [-5, 0), got {lower_bound}")
+    if not isinstance(chunk_size, int):
+        raise InvalidArgumentError(f"chunk_size: `chunk_size` must be either 32 or 64, got {chunk_size!r}")
+    K = q.shape[-1]
+    scale = float(K ** -0.5 if scale is None else scale)
+    gate = gate_mode(use_gate_in_kernel, lower_bound)
+    lb = float(lower_bound) if (lower_bound is not None and use_gate_in_kernel) else -5.0
+    return scale, gate, lb
+
+
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -115,21 +132,9 @@ def chunk_kda(
                     allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
                     disable_recompute=disable_recompute, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size)
         return cp.forward(q, k, v, g, beta, cp_context, **opts), None
-    if lower_bound is not None and not use_gate_in_kernel and not safe_gate:
-        raise InvalidArgumentError(
-            f"lower_bound: {lower_bound} has no effect on a pre-gated g (use_gate_in_kernel=False); pass it with "
-            "use_gate_in_kernel=True, or with safe_gate=True to state the bound of g")
-    if lower_bound is not None and not use_gate_in_kernel and not (-5.0 <= lower_bound < 0.0):
-        raise InvalidArgumentError(f"lower_bound: safe_gate=True needs lower_bound in [-5, 0), got {lower_bound}")
     if return_intermediate_states and disable_recompute:
         raise InvalidArgumentError("return_intermediate_states: cannot be combined with disable_recompute=True")
-    if not isinstance(chunk_size, int):
-        raise InvalidArgumentError(f"chunk_size: `chunk_size` must be either 32 or 64, got {chunk_size!r}")
-
-    K = q.shape[-1]
-    scale = float(K ** -0.5 if scale is None else scale)
-    gate = gate_mode(use_gate_in_kernel, lower_bound)
-    lb = float(lower_bound) if (lower_bound is not None and use_gate_in_kernel) else -5.0
+    scale, gate, lb = kernel_options(q, scale, use_gate_in_kernel, lower_bound, safe_gate, chunk_size)
     varlen = cu_seqlens is not None
     chunks = -1
     if return_intermediate_states:

@@ -316,6 +316,11 @@ def forward(q, k, v, g, beta, ctx, **opts):
     HV, K, V = v.shape[2], k.shape[3], v.shape[3]
     transition_opts = {n: opts[n] for n in _TRANSITION_OPTIONS + ("safe_gate", "chunk_size") if n in opts}
 
+    tracked = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, opts.get("A_log"), opts.get("dt_bias")))
+    if SPLIT_FORWARD and not tracked and q.is_cuda and cu_cpu.numel() == 2:
+        return _split_forward(q, k, v, g, beta, ctx, rank, world_size, from_previous, into_next, pre, opts)
+
     # This rank's contribution: its last local piece from a zero state, and the piece's transition (the same forward
     # with v = 0 and K value columns from the identity: the state it reaches is M).
     if into_next:
@@ -331,8 +336,6 @@ def forward(q, k, v, g, beta, ctx, **opts):
         mine = torch.zeros((HV, K, V + K), dtype=torch.float32, device=q.device)
     # The exchange's backward is a collective too: every rank takes the differentiable all-gather where a gradient
     # may be asked for (the same inputs require grad on every rank), also one that sends nothing.
-    tracked = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, opts.get("A_log"), opts.get("dt_bias")))
     if tracked:
         if not mine.requires_grad:
             mine = mine.detach().requires_grad_(True)
@@ -360,6 +363,40 @@ def forward(q, k, v, g, beta, ctx, **opts):
         # starts there), so that every rank runs the exchange's backward collective.
         o = _TiedToExchange.apply(o, *gathered)
     return o
+
+
+# Forward-only runs of one local sequence on CUDA take the split forward (kdakit::CpPhase: the contribution from the
+# forward's own segment scan, the outputs after the exchange, one pass over the inputs); False: the general path
+# (tests compare the two).
+SPLIT_FORWARD = True
+
+
+def _split_forward(q, k, v, g, beta, ctx, rank, world_size, from_previous, into_next, pre, opts):
+    """cp.forward for a rank whose local batch is one sequence, forward-only, on CUDA: the first half of the forward
+    (its segment scan gives [S_ext | M]), the all-gather, the fold, then the second half from the incoming state."""
+    import torch.distributed as dist
+    from ._torch import dense, unit_last_stride
+    from .chunk import kernel_options
+    from .ops import SplitForward
+
+    scale, gate, lb = kernel_options(q, opts.get("scale"), bool(opts.get("use_gate_in_kernel", False)),
+                                     opts.get("lower_bound"), bool(opts.get("safe_gate", False)),
+                                     opts.get("chunk_size", 64))
+    q, k, v, g = unit_last_stride(q, k, v, g)
+    A_log, dt_bias = dense(opts.get("A_log"), opts.get("dt_bias"))
+    HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+    half = SplitForward(q, k, v, g, beta, A_log, dt_bias, scale, gate, lb,
+                        bool(opts.get("use_qk_l2norm_in_kernel", False)),
+                        bool(opts.get("use_beta_sigmoid_in_kernel", False)), bool(opts.get("allow_neg_eigval", False)),
+                        bool(opts.get("safe_gate", False)), opts.get("chunk_size", 64))
+    mine = half.summary if into_next else torch.zeros((HV, K, V + K), dtype=torch.float32, device=q.device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=ctx.group)
+    S_in = None
+    if from_previous:
+        S_in = fold_incoming_state([t[..., :V] for t in gathered], [t[..., V:] for t in gathered], rank, pre)
+    h0 = S_in[None].to(torch.float32).contiguous() if S_in is not None else None
+    return half.finish(h0)
 
 
 class _TiedToExchange(torch.autograd.Function):

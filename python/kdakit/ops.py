@@ -28,6 +28,53 @@ def _run_forward(p, q: Tensor) -> None:
     call.run(view(ws), stream_of(q))
 
 
+class SplitForward:
+    """A forward of one sequence ([1, T, ...], CUDA) in the two halves of a context-parallel run (kdakit::CpPhase).
+
+    Made: the half that does not depend on the start state runs, and `summary` holds the sequence's contribution to
+    later ranks, float32 [HV, K, V + K]: its end state from zero, then its transition M (spec §7.2). `finish(h0)`
+    (h0 [1, HV, K, V] float32, or None for zero) then runs the rest on the same workspace and returns the output.
+    No autograd: forward-only callers."""
+
+    def __init__(self, q, k, v, g, beta, A_log, dt_bias, scale, gate, lower_bound, qk_l2norm, beta_sigmoid,
+                 allow_neg_eigval, safe_gate, chunk_size):
+        self._inputs = (q, k, v, g, beta, A_log, dt_bias)
+        self._opts = (scale, gate, lower_bound, qk_l2norm, beta_sigmoid, allow_neg_eigval)
+        self._chunk = (safe_gate, chunk_size)
+        HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+        self.o = q.new_empty((q.shape[0], q.shape[1], HV, V))
+        self.summary = torch.empty((HV, K, V + K), dtype=torch.float32, device=q.device)
+        p = self._params(None, _C.CpPhase.SUMMARY)
+        p.cp_summary = view(self.summary)
+        call = _C.ForwardCall(p)
+        self._ws_size = call.workspace_size
+        self._ws = workspace(self._ws_size, q.device)
+        call.run(view(self._ws), stream_of(q))
+        self._done = False
+
+    def _params(self, h0, phase):
+        q, k, v, g, beta, A_log, dt_bias = self._inputs
+        p = _C.ForwardParams()
+        fill_inputs(p.inputs, q, k, v, g, beta, A_log, dt_bias, None, None, *self._opts)
+        p.state.layout = layout(False)
+        p.state.initial_state = view(h0)
+        p.safe_gate, p.chunk_size = self._chunk
+        p.out = view(self.o)
+        p.cp_phase = phase
+        return p
+
+    def finish(self, h0: Optional[Tensor]) -> Tensor:
+        if self._done:
+            raise RuntimeError("SplitForward.finish: already run (its workspace holds the summary call's work once)")
+        call = _C.ForwardCall(self._params(h0, _C.CpPhase.FINISH))
+        if call.workspace_size != self._ws_size:
+            raise RuntimeError(f"SplitForward.finish: the finish call plans a workspace of {call.workspace_size} "
+                               f"bytes, the summary call's was {self._ws_size}")
+        call.run(view(self._ws), stream_of(self.o))
+        self._done = True
+        return self.o
+
+
 def _chunk_outputs(q, v, N, output_final_state, num_chunks, state_v_first, varlen, h_dtype):
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]

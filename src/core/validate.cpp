@@ -399,6 +399,40 @@ void check_chunk_options(int chunk_size, bool safe_gate, const KdaInputs& in) {
 
 }  // namespace
 
+// The halves of a context-parallel forward (CpPhase): CUDA, one sequence, no other state outputs.
+static void check_cp_phase(const ForwardParams& p, const Problem& pr) {
+  const int phase = static_cast<int>(p.cp_phase);
+  if (phase < 0 || phase > 2) fail("cp_phase", "expected kNone, kSummary or kFinish (0, 1, 2), got " + std::to_string(phase));
+  if (p.cp_phase == CpPhase::kNone) {
+    if (p.cp_summary.present()) fail("cp_summary", "is written by a cp_phase kSummary call only, but cp_phase is kNone");
+    return;
+  }
+  if (pr.device != Device::kCUDA) {
+    fail("cp_phase", "the split context-parallel forward runs on CUDA tensors only, got CPU tensors");
+  }
+  if (pr.varlen) fail("cu_seqlens", "is not taken with cp_phase: pass the one sequence as [1, T, ...]");
+  if (pr.N != 1) fail("cp_phase", "takes one sequence per call, got " + std::to_string(pr.N));
+  if (p.intermediate_states.present()) fail("intermediate_states", "is not taken with cp_phase");
+  if (p.state.final_state.present()) fail("final_state", "is not taken with cp_phase (kSummary writes cp_summary)");
+  if (p.state.state_indices.present()) fail("state_indices", "is not taken with cp_phase");
+  if (p.state.has_initial_state.present()) fail("has_initial_state", "is not taken with cp_phase");
+  if (p.cp_phase == CpPhase::kSummary) {
+    if (p.state.initial_state.present()) {
+      fail("initial_state", "a kSummary call starts from zero; the handed-over state goes to the kFinish call");
+    }
+    require_present(p.cp_summary, "cp_summary");
+    require_shape(p.cp_summary, "cp_summary", {pr.HV, pr.K, pr.V + pr.K}, "[HV,K,V+K]");
+    if (p.cp_summary.dtype != DType::kFloat32) {
+      fail("cp_summary", std::string("expected a float32 tensor, got ") + dtype_name(p.cp_summary.dtype));
+    }
+    require_data(p.cp_summary, "cp_summary");
+    require_device(p.cp_summary, "cp_summary", pr);
+    if (!p.cp_summary.is_contiguous()) fail("cp_summary", "expected a contiguous tensor, got strides " + p.cp_summary.strides_str());
+  } else if (p.cp_summary.present()) {
+    fail("cp_summary", "is written by the kSummary call only, not by kFinish");
+  }
+}
+
 Plan plan_forward(const ForwardParams& p) {
   Plan plan = plan_inputs(p.in, /*headwise_beta_allowed=*/false);
   const Problem& pr = plan.pr;
@@ -409,6 +443,7 @@ Plan plan_forward(const ForwardParams& p) {
   if (p.intermediate_states.present()) {
     require_chunk_states(p.intermediate_states, "intermediate_states", plan, p.state.layout, p.chunk_size);
   }
+  check_cp_phase(p, pr);
   if (p.workspace_bytes > 0 && p.workspace == nullptr) fail("workspace", "workspace_bytes > 0 but workspace is null");
   return plan;
 }

@@ -221,6 +221,10 @@ NB_MODULE(_C, m) {
   });
 
   nb::enum_<StateLayout>(m, "StateLayout", nb::is_arithmetic()).value("KV", StateLayout::kKV).value("VK", StateLayout::kVK);
+  nb::enum_<CpPhase>(m, "CpPhase", nb::is_arithmetic())
+      .value("NONE", CpPhase::kNone)
+      .value("SUMMARY", CpPhase::kSummary)
+      .value("FINISH", CpPhase::kFinish);
   nb::enum_<GateMode>(m, "GateMode", nb::is_arithmetic())
       .value("PRE_GATED", GateMode::kPreGated)
       .value("SOFTPLUS", GateMode::kSoftplus)
@@ -326,6 +330,8 @@ NB_MODULE(_C, m) {
       .def_rw("safe_gate", &ForwardParams::safe_gate)
       .def_rw("out", &ForwardParams::out)
       .def_rw("intermediate_states", &ForwardParams::intermediate_states)
+      .def_rw("cp_phase", &ForwardParams::cp_phase)
+      .def_rw("cp_summary", &ForwardParams::cp_summary)
       .def("set_workspace", &set_workspace<ForwardParams>, nb::arg("workspace"));
 
   nb::class_<BackwardParams>(m, "BackwardParams")

@@ -260,3 +260,26 @@ def test_simulated_forward_rejects_what_cp_has_not():
     x = torch.rand(1, 8, 1, 4)
     with pytest.raises(kdakit.InvalidArgumentError, match="initial_state: not taken"):
         cp._simulated_forward(x, x, x, -x, torch.rand(1, 8, 1), cu_of([8]), 2, initial_state=torch.zeros(1, 1, 4, 4))
+
+
+def test_split_forward_halves_check_their_arguments():
+    """The split forward's halves (kdakit::CpPhase) are CUDA-only and take no stray outputs: each refusal names the
+    argument (checked before any device work, so on the CPU too)."""
+    from kdakit import _C
+    from kdakit.ops import SplitForward
+
+    x = torch.rand(1, 64, 1, 16)
+    beta = torch.rand(1, 64, 1)
+    with pytest.raises(kdakit.InvalidArgumentError, match="cp_phase.*CUDA tensors only"):
+        SplitForward(x, x, x, -x, beta, None, None, 0.25, 0, -5.0, False, False, False, False, 64)
+    p = _C.ForwardParams()
+    _C.set_inputs(p.inputs, x, x, x, -x, beta, None, None, None, None, 0.25, 0, -5.0, False, False, False)
+    out = torch.empty(1, 64, 1, 16)
+    p.out = _C.view(out)
+    p.cp_summary = _C.view(torch.empty(1, 16, 32))
+    with pytest.raises(kdakit.InvalidArgumentError, match="cp_summary"):
+        _C.validate_forward(p)  # a summary buffer without cp_phase kSummary
+    p.cp_summary = _C.view(None)
+    p.cp_phase = _C.CpPhase.FINISH
+    with pytest.raises(kdakit.InvalidArgumentError, match="cp_phase"):
+        _C.validate_forward(p)  # CPU tensors

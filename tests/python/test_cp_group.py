@@ -79,6 +79,9 @@ def run_rank(rank, world_size, init_file, lengths, use_gate, seed, device):
         assert_close(f"rank {rank}: o", ref_o[:, s:e], o.cpu(), tol["o"])
         for name, want, got in zip(("dq", "dk", "dv", "dg", "dbeta"), ref_g, g):
             assert_close(f"rank {rank}: {name}", want[:, s:e], got.cpu(), tol["grad"])
+        with torch.inference_mode():  # forward-only: a rank holding one sequence takes the split forward on CUDA
+            o_fwd, _ = kdakit.chunk_kda(*local, cp_context=ctx, **local_opts)
+        assert_close(f"rank {rank}: o (forward-only)", ref_o[:, s:e], o_fwd.cpu(), tol["o"])
         for name, got in p.items():  # parameters shared by every token: the ranks' parts summed
             dist.all_reduce(got, group=dist.group.WORLD)
             assert_close(f"rank {rank}: d{name}", ref_p[name], got.cpu(), tol["grad"])

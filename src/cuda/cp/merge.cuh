@@ -36,7 +36,8 @@ __global__ void __launch_bounds__(kMergeThreads) segment_merge_kernel(const Forw
   int64_t b, t0, len, per;
   sequence(a, n, b, t0, len);
   const int64_t nseg = a.segments_of((len + a.chunk - 1) / a.chunk, per);
-  if (nseg <= 2 || a.state_slot(n) < 0) return;  // a padding sequence's scan gave nothing to merge
+  // Nothing to merge: one segment (two without a seed: the first's end is in place), or a padding sequence.
+  if (nseg <= (a.cp_phase == kCpFinish ? 1 : 2) || a.state_slot(n) < 0) return;
   extern __shared__ __align__(16) char smem_raw[];
   float* sS = reinterpret_cast<float*>(smem_raw);  // [KP][LDS] S_start(s), this CTA's columns
   float* sM = sS + KP * L::LDS;                     // [KP][LDM] M_s, keys e0 .. e0 + kMergeKeys - 1
@@ -45,9 +46,20 @@ __global__ void __launch_bounds__(kMergeThreads) segment_merge_kernel(const Forw
   const bool col_in = col < a.V;
   auto row = [&](int64_t g, int d) { return a.ws_seg + ((g * a.HV + hv) * KP + d) * a.seg_ld; };
   const int64_t g0 = a.seg_offsets[n];
-  for (int64_t s = 1; s + 1 < nseg; ++s) {
+  // A context-parallel finish (seed): segment 0 was scanned from zero, so the chain starts one step earlier, from the
+  // handed-over state (initial, or zero): S_start(1) = M_0 S_start(0) + E_0.
+  const bool seed = a.cp_phase == kCpFinish;
+  for (int64_t s = seed ? 0 : 1; s + 1 < nseg; ++s) {
     const int64_t g = g0 + s;
-    for (int e = rg; e < KP; e += RG) sS[e * L::LDS + j] = col_in && e < a.K ? row(g - 1, e)[col] : 0.f;
+    if (s == 0) {
+      for (int e = rg; e < KP; e += RG) {
+        sS[e * L::LDS + j] = col_in && e < a.K && a.initial.present()
+                                 ? a.initial.load(a.initial.offset(0, hv, e, col, a.K, a.V, a.vk))
+                                 : 0.f;
+      }
+    } else {
+      for (int e = rg; e < KP; e += RG) sS[e * L::LDS + j] = col_in && e < a.K ? row(g - 1, e)[col] : 0.f;
+    }
     float acc[RPT];
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
@@ -74,6 +86,66 @@ __global__ void __launch_bounds__(kMergeThreads) segment_merge_kernel(const Forw
       if (col_in && d < a.K) row(g, d)[col] = acc[i];
     }
     __syncthreads();  // S_start(s+1) visible to the CTA before it is read as the next S_start
+  }
+}
+
+// A context-parallel summary (ForwardArgs::cp_phase, one sequence): the segments' scans (every segment, from zero)
+// folded into the sequence's contribution, per v-head and 8 of the V + K columns: X = [E_0 | M_0], then
+// X <- M_s X + [E_s | 0] over the later segments, written to cp_summary [HV][K][V + K] (end state, then transition).
+template <int KP>
+__global__ void __launch_bounds__(kMergeThreads) segment_fold_kernel(const ForwardArgs a) {
+  using L = MergeLayout<KP>;
+  constexpr int RG = kMergeThreads / kMergeCols, RPT = KP / RG;
+  const int VT_cols = a.seg_ld - KP, W = a.V + a.K;
+  const int CB = (W + kMergeCols - 1) / kMergeCols;
+  const int cb = static_cast<int>(blockIdx.x % CB), hv = static_cast<int>(blockIdx.x / CB);
+  int64_t b, t0, len, per;
+  sequence(a, 0, b, t0, len);
+  const int64_t nseg = a.segments_of((len + a.chunk - 1) / a.chunk, per);
+  extern __shared__ __align__(16) char smem_raw[];
+  float* sS = reinterpret_cast<float*>(smem_raw);  // [KP][LDS] X, this CTA's columns
+  float* sM = sS + KP * L::LDS;                     // [KP][LDM] M_s, keys e0 .. e0 + kMergeKeys - 1
+  const int tid = threadIdx.x, j = tid % kMergeCols, rg = tid / kMergeCols;
+  const int col = cb * kMergeCols + j;  // < V: a value column; else transition column col - V
+  const bool col_in = col < W, value = col < a.V;
+  const int ws_col = value ? col : VT_cols + (col - a.V);
+  auto row = [&](int64_t g, int d) { return a.ws_seg + ((g * a.HV + hv) * KP + d) * a.seg_ld; };
+  const int64_t g0 = a.seg_offsets[0];
+  float acc[RPT];
+#pragma unroll
+  for (int i = 0; i < RPT; ++i) {
+    const int d = rg + RG * i;
+    acc[i] = col_in && d < a.K ? row(g0, d)[ws_col] : 0.f;
+  }
+  for (int64_t s = 1; s < nseg; ++s) {
+    const int64_t g = g0 + s;
+    __syncthreads();  // the previous step's reads of sS are done
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) sS[(rg + RG * i) * L::LDS + j] = acc[i];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int d = rg + RG * i;
+      acc[i] = col_in && value && d < a.K ? row(g, d)[col] : 0.f;
+    }
+    for (int e0 = 0; e0 < a.K; e0 += kMergeKeys) {
+      __syncthreads();  // sS written; the previous block of M consumed
+      for (int x = tid; x < KP * kMergeKeys; x += kMergeThreads) {
+        const int d = x / kMergeKeys, e = x % kMergeKeys;
+        sM[d * L::LDM + e] = d < a.K && e0 + e < a.K ? row(g, d)[VT_cols + e0 + e] : 0.f;
+      }
+      __syncthreads();
+#pragma unroll 8
+      for (int e = 0; e < kMergeKeys; ++e) {
+        const float sv = sS[(e0 + e) * L::LDS + j];
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) acc[i] = fmaf(sM[(rg + RG * i) * L::LDM + e], sv, acc[i]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < RPT; ++i) {
+    const int d = rg + RG * i;
+    if (col_in && d < a.K) a.cp_summary[(int64_t(hv) * a.K + d) * W + col] = acc[i];
   }
 }
 

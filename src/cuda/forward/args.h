@@ -11,6 +11,9 @@
 
 namespace kdakit::cuda {
 
+// ForwardArgs::cp_phase values (kdakit::CpPhase).
+constexpr int kCpSummary = 1, kCpFinish = 2;
+
 struct ForwardArgs : KdaArgs {
   // Inputs q, k, v (one dtype, the kernels' InT), g (float32, or 16 bits: bfloat16 or float16, read as it is by the
   // prepare kernel's GB instantiation) and beta [B,T,HV] (any float dtype).
@@ -50,6 +53,12 @@ struct ForwardArgs : KdaArgs {
   int64_t num_segments = 0;  // segment slots of the grid and of ws_seg (an upper bound of the real segments)
   float* ws_seg = nullptr;   // [segment][HV][KP][seg_ld] fp32: columns [0, VT*BV) E or a start state, then M
   int seg_ld = 0;
+  // Multi-device context parallelism (kdakit::CpPhase, one sequence): kCpSummary scans every segment (the last, and
+  // M of the first, too) and folds them into cp_summary [HV][K][V + K]; kCpFinish skips the prepare and the scan
+  // (their workspace is the summary call's), seeds the merge with the handed-over state (initial) and runs the
+  // recurrence.
+  int cp_phase = 0;
+  float* cp_summary = nullptr;
 
   // Sequence n's segments: their count, and the chunks of each but the last (nch: the sequence's chunks).
   __host__ __device__ __forceinline__ int64_t segments_of(int64_t nch, int64_t& per) const {

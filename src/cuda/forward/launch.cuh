@@ -52,10 +52,20 @@ void launch_recurrence_kind(const ForwardArgs& a, cudaStream_t stream) {
 }
 
 // The recurrence; with context parallelism first the segment scan and the merge of the segments' start states.
+// A split context-parallel call (ForwardArgs::cp_phase): the summary scans and folds, and stops there; the finish
+// call skips the scan (the summary call's segments are in the workspace) and seeds the merge with its start state.
 template <typename Elem, int KP, int BV, bool ONE_STAGE, bool WG>
 void launch_recurrence_staged(const ForwardArgs& a, cudaStream_t stream) {
   if (a.seg_offsets != nullptr) {
-    launch_recurrence_kind<Elem, KP, BV, true, ONE_STAGE, WG>(a, stream);
+    if (a.cp_phase != kCpFinish) launch_recurrence_kind<Elem, KP, BV, true, ONE_STAGE, WG>(a, stream);
+    if (a.cp_phase == kCpSummary) {
+      auto fold = segment_fold_kernel<KP>;
+      set_smem(fold, MergeLayout<KP>::bytes());
+      const int64_t ctas = int64_t(a.HV) * ((a.V + a.K + kMergeCols - 1) / kMergeCols);
+      fold<<<static_cast<unsigned>(ctas), kMergeThreads, MergeLayout<KP>::bytes(), stream>>>(a);
+      check_launch("segment_fold_kernel");
+      return;
+    }
     auto merge = segment_merge_kernel<KP>;
     set_smem(merge, MergeLayout<KP>::bytes());
     const int64_t ctas = int64_t(a.N) * a.HV * ((a.seg_ld - KP + kMergeCols - 1) / kMergeCols);
@@ -97,7 +107,7 @@ void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t
   using Elem = typename std::conditional<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16, float>::type;
   chunk_offsets_kernel<<<1, kMaxOrdered, 0, stream>>>(a);
   check_launch("chunk_offsets_kernel");
-  if (a.num_slots + a.tail_slots > 0) {
+  if (a.num_slots + a.tail_slots > 0 && a.cp_phase != kCpFinish) {  // kCpFinish: the summary call's prepare
     with_kp(cfg.KP, [&](auto kp_tag) {
       constexpr int KP = decltype(kp_tag)::value;
       with_bool(a.g.dtype == DType::kFloat32, [&](auto g32) {

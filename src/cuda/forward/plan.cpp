@@ -147,14 +147,15 @@ ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& pl
   if (fp.esz == 2) { fp.off_alo = off; off = align(off + tiles * C * C * fp.esz); }  // Aqk's lo half
   fp.off_gam = off; off = align(off + tiles * fp.cfg.KP * 4);
   fp.segments = pr.N;
-  if (fp.seg_target > 1) {
+  fp.cp_phase = static_cast<int>(p.cp_phase);
+  if (fp.seg_target > 1 || fp.cp_phase != 0) {
     // Segment slots: exact for fixed length; otherwise a bound (a cut sequence of c chunks has at most
     // c / seg_min_chunks + 1 segments).
     if (!pr.varlen) {
       int64_t per = 0;
       fp.segments = pr.N * segments_of((pr.T + C - 1) / C, fp.seg_target, fp.seg_min_chunks, per);
     } else {
-      fp.segments = pr.N + fp.slots / fp.seg_min_chunks;
+      fp.segments = pr.N + (fp.seg_min_chunks > 0 ? fp.slots / fp.seg_min_chunks : 0);
     }
     fp.seg_ld = static_cast<int>((pr.V + bv - 1) / bv * bv + fp.cfg.KP);
     fp.off_seg_offsets = off; off = align(off + 8 * (pr.N + 1));

@@ -21,8 +21,10 @@ struct ForwardLaunch {
   // Prepare CTAs (per v-head) past the chunk slots, which zero the output rows of the padded token tail
   // [cu_seqlens[N], T) (lengths known on the host; without them the surplus of `slots` over the chunks covers it).
   int64_t tail_slots = 0;
-  // Context parallelism (ForwardArgs::seg_target): off when seg_target == 1.
+  // Context parallelism (ForwardArgs::seg_target): off when seg_target == 1 and not a split context-parallel call
+  // (cp_phase: its segment workspace exists with one segment too; seg_ld > 0 where the segment workspace exists).
   int seg_target = 1, seg_min_chunks = 0, seg_ld = 0;
+  int cp_phase = 0;        // kdakit::CpPhase
   int64_t segments = 0;    // segment slots (the sequences without cuts)
   bool ordered = false;    // the recurrence runs the sequences longest first (ForwardArgs::seq_order)
   // Workspace layout: byte offsets of each part (256-byte aligned) and the total.

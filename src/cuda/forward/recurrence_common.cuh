@@ -53,7 +53,8 @@ __device__ __forceinline__ bool recurrence_tile(const ForwardArgs& a, Recurrence
   w.c_begin = w.seg * per;
   w.c_end = min(w.nch_all, w.c_begin + per);  // this segment's chunks
   w.trans = SCAN && w.tile >= w.VT;
-  if (SCAN && (w.seg == nseg - 1 || (w.trans && w.seg == 0))) return false;  // no scan of last segments; seg 0: no M
+  // No scan of last segments, no M of first ones: except for a context-parallel summary, which takes every segment.
+  if (SCAN && a.cp_phase != kCpSummary && (w.seg == nseg - 1 || (w.trans && w.seg == 0))) return false;
   w.vt = w.trans ? w.tile - w.VT : w.tile;
   w.ncols = w.trans ? a.K : a.V;
   w.base = a.chunk_offsets[w.n];

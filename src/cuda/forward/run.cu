@@ -63,7 +63,7 @@ ForwardArgs forward_args(const ForwardParams& p, const detail::Plan& plan, const
   a.KP = fp.cfg.KP;
   a.VP = fp.VP;
   a.num_segments = fp.segments;
-  if (fp.seg_target > 1) {
+  if (fp.seg_ld > 0) {  // cut sequences, or a split context-parallel call (one segment per sequence at least)
     a.seg_target = fp.seg_target;
     a.seg_min_chunks = fp.seg_min_chunks;
     a.seg_offsets = reinterpret_cast<int64_t*>(ws + fp.off_seg_offsets);
@@ -71,6 +71,8 @@ ForwardArgs forward_args(const ForwardParams& p, const detail::Plan& plan, const
     a.seg_ld = fp.seg_ld;
   }
   if (fp.ordered) a.seq_order = reinterpret_cast<int32_t*>(ws + fp.off_order);
+  a.cp_phase = fp.cp_phase;
+  if (p.cp_summary.present()) a.cp_summary = static_cast<float*>(p.cp_summary.data);
   a.vk = p.state.layout == StateLayout::kVK;
   a.initial = state_ref(p.state.initial_state);
   a.final_state = state_ref(p.state.final_state);
