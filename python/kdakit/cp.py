@@ -318,7 +318,8 @@ def forward(q, k, v, g, beta, ctx, **opts):
 
     tracked = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, opts.get("A_log"), opts.get("dt_bias")))
-    if SPLIT_FORWARD and not tracked and q.is_cuda and cu_cpu.numel() == 2:
+    one_piece = cu_cpu.numel() == 2 and int(cu_cpu[0]) == 0 and int(cu_cpu[1]) == q.shape[1]
+    if SPLIT_FORWARD and not tracked and q.is_cuda and one_piece:
         return _split_forward(q, k, v, g, beta, ctx, rank, world_size, from_previous, into_next, pre, opts)
 
     # This rank's contribution: its last local piece from a zero state, and the piece's transition (the same forward
