@@ -292,6 +292,16 @@ def _context_view(ctx) -> Tuple[int, int, bool, bool, int]:
             not bool(ctx.is_last_rank), int(ctx.pre_num_ranks))
 
 
+def _check_group_device(group, q) -> None:
+    """An NCCL group exchanges CUDA tensors: CPU inputs under one would fail inside the collective."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and not q.is_cuda:
+        raise InvalidArgumentError(
+            f"cp_context: its group runs {backend}, which exchanges CUDA tensors; q is on {q.device}")
+
+
 def forward(q, k, v, g, beta, ctx, **opts):
     """chunk_kda over the context's group: this rank's output for its local packed batch (q [1, T_local, H, K]).
 
@@ -305,6 +315,7 @@ def forward(q, k, v, g, beta, ctx, **opts):
     if bad:
         raise InvalidArgumentError(f"{bad[0]}: not taken with cp_context (context parallelism)")
     rank, world_size, from_previous, into_next, pre = _context_view(ctx)
+    _check_group_device(ctx.group, q)
     if isinstance(ctx, CPContext):
         check_local_length(ctx, q)
     elif q.dim() < 2 or q.shape[0] != 1:

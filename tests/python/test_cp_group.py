@@ -134,6 +134,20 @@ def test_context_without_group_is_refused():
         kdakit.chunk_kda(x, x, x, -x, torch.rand(1, 20, 1), cp_context=ctx)
 
 
+def test_cpu_inputs_under_an_nccl_group_are_refused(monkeypatch):
+    """A group on another device: NCCL exchanges CUDA tensors, so CPU inputs are refused before any collective."""
+    import dataclasses
+
+    ctx = cp.build_context(torch.tensor([0, 10, 30], dtype=torch.int32), rank=1, world_size=2)
+    ctx = dataclasses.replace(ctx, group=object())  # stands for an NCCL group (no collective is reached)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    x = torch.rand(1, 20, 1, 8)
+    with pytest.raises(kdakit.InvalidArgumentError, match="cp_context: its group runs nccl, which exchanges CUDA"):
+        kdakit.chunk_kda(x, x, x, -x, torch.rand(1, 20, 1), cp_context=ctx)
+
+
 @pytest.mark.parametrize("extra,match", [
     (dict(cu_seqlens=torch.tensor([0, 20], dtype=torch.int32)), "cu_seqlens: must be None with cp_context"),
     (dict(return_intermediate_states=True), "return_intermediate_states: not taken with cp_context"),
