@@ -67,7 +67,7 @@ void expect_workspace_layout(const ForwardLaunch& f, const ForwardParams& p, con
       {f.off_a, tiles * C * C * f.esz, "Aqk"},
       {f.off_gam, tiles * f.cfg.KP * 4, "gamma"}};
   if (f.esz == 2) parts.push_back({f.off_alo, tiles * C * C * f.esz, "Aqk lo"});
-  if (f.seg_target > 1) {
+  if (f.seg_ld > 0) {
     parts.push_back({f.off_seg_offsets, 8 * std::size_t(pr.N + 1), "segment offsets"});
     parts.push_back({f.off_seg, std::size_t(f.segments) * pr.HV * f.cfg.KP * f.seg_ld * 4, "segment states"});
   }
@@ -246,6 +246,69 @@ TEST(ForwardPlan, RejectsInputDtypesTheKernelsDoNotTake) {
   ForwardCase v32(1, 256, 4);
   v32.p.in.v.dtype = DType::kFloat32;  // q, k, v share the operand type
   expect_rejected(v32, "v", "q, k and v of one dtype (bfloat16), got float32");
+}
+
+// The split context-parallel forward (CpPhase): both halves plan one workspace, with a segment slot even for a piece
+// too short to cut (the summary's scan writes its E and M there); a long piece is cut as a one-GPU forward cuts it.
+TEST(ForwardPlan, SplitContextParallelHalvesShareOneWorkspace) {
+  auto halves = [](int64_t T, int64_t H) {
+    ForwardCase s(1, T, H);
+    s.p.state.initial_state = TensorView();
+    s.p.state.final_state = TensorView();
+    s.p.cp_phase = CpPhase::kSummary;
+    s.p.cp_summary = device_view(DType::kFloat32, {H, 128, 256});
+    ForwardCase f = s;
+    f.p.cp_phase = CpPhase::kFinish;
+    f.p.cp_summary = TensorView();
+    f.p.state.initial_state = device_view(DType::kFloat32, {1, H, 128, 128});
+    return std::make_pair(s, f);
+  };
+  const auto [s1, f1] = halves(8192, 8);
+  const ForwardLaunch a = s1.plan(), b = f1.plan();
+  EXPECT_EQ(a.seg_target, 1);
+  EXPECT_EQ(a.segments, 1);
+  EXPECT_EQ(a.seg_ld, 128 + 128);
+  EXPECT_EQ(a.cp_phase, 1);
+  EXPECT_EQ(b.cp_phase, 2);
+  EXPECT_EQ(a.total, b.total);
+  EXPECT_EQ(a.off_seg, b.off_seg);
+  expect_workspace_layout(a, s1.p, detail::plan_forward(s1.p).pr);
+  const auto [s8, f8] = halves(65536, 8);
+  const ForwardLaunch c = s8.plan();
+  EXPECT_EQ(c.segments, ForwardCase(1, 65536, 8).plan().segments);  // 8: the one-GPU cut
+  EXPECT_EQ(c.total, f8.plan().total);
+  // What the halves refuse, naming the argument.
+  auto expect_rejected = [](ForwardCase c, const char* argument, const char* text) {
+    try {
+      c.plan();
+      ADD_FAILURE() << "expected InvalidArgument for " << argument;
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(e.argument(), argument);
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  ForwardCase with_h0 = s1;
+  with_h0.p.state.initial_state = device_view(DType::kFloat32, {1, 8, 128, 128});
+  expect_rejected(with_h0, "initial_state", "starts from zero");
+  ForwardCase no_summary = s1;
+  no_summary.p.cp_summary = TensorView();
+  expect_rejected(no_summary, "cp_summary", "is required");
+  ForwardCase bf16_summary = s1;
+  bf16_summary.p.cp_summary = device_view(DType::kBFloat16, {8, 128, 256});
+  expect_rejected(bf16_summary, "cp_summary", "float32");
+  ForwardCase wrong_shape = s1;
+  wrong_shape.p.cp_summary = device_view(DType::kFloat32, {8, 128, 128});
+  expect_rejected(wrong_shape, "cp_summary", "[HV,K,V+K]");
+  ForwardCase final_out = f1;
+  final_out.p.state.final_state = device_view(DType::kFloat32, {1, 8, 128, 128});
+  expect_rejected(final_out, "final_state", "not taken with cp_phase");
+  ForwardCase two(2, 1024, 8);
+  two.p.state = StateIO();
+  two.p.cp_phase = CpPhase::kFinish;
+  expect_rejected(two, "cp_phase", "one sequence per call, got 2");
+  ForwardCase stray(1, 1024, 8);
+  stray.p.cp_summary = device_view(DType::kFloat32, {8, 128, 256});
+  expect_rejected(stray, "cp_summary", "cp_phase is kNone");
 }
 
 // The padded token tail of a varlen batch (CUDA-graph batches: tokens past cu_seqlens[N]) gets prepare CTAs that zero
