@@ -57,37 +57,43 @@ def run_rank(rank, world_size, init_file, lengths, use_gate, seed, device):
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
                            world_size=world_size)
     try:
-        torch.set_num_threads(1)  # ranks share the machine's cores
-        kdakit._C.set_cpu_threads(1)
-        tensors, opts, w, cu = make_inputs(lengths, use_gate, seed)
-        tol = TOL[device]
-        ref_o, ref_g, ref_p = grads_of(tensors, opts, lambda x, o: (
-            lambda out: (out, (out * w).sum()))(kdakit.chunk_kda(*x, cu_seqlens=cu, **o)[0]))
-        dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
-        ctx = cp.build_context(cu.to(dev), group=dist.group.WORLD)
-        s, e = ctx.token_start, ctx.token_end
-        local = [t[:, s:e].to(dev) for t in tensors]
-        local_opts = {n: (t.to(dev) if isinstance(t, torch.Tensor) else t) for n, t in opts.items()}
-        w_local = w[:, s:e].to(dev)
-
-        def local_loss(x, o):
-            out, final = kdakit.chunk_kda(*x, cp_context=ctx, **o)
-            assert final is None
-            return out, (out * w_local).sum()
-
-        o, g, p = grads_of(local, local_opts, local_loss)
-        assert_close(f"rank {rank}: o", ref_o[:, s:e], o.cpu(), tol["o"])
-        for name, want, got in zip(("dq", "dk", "dv", "dg", "dbeta"), ref_g, g):
-            assert_close(f"rank {rank}: {name}", want[:, s:e], got.cpu(), tol["grad"])
-        with torch.inference_mode():  # forward-only: a rank holding one sequence takes the split forward on CUDA
-            o_fwd, _ = kdakit.chunk_kda(*local, cp_context=ctx, **local_opts)
-        assert_close(f"rank {rank}: o (forward-only)", ref_o[:, s:e], o_fwd.cpu(), tol["o"])
-        for name, got in p.items():  # parameters shared by every token: the ranks' parts summed
-            dist.all_reduce(got, group=dist.group.WORLD)
-            assert_close(f"rank {rank}: d{name}", ref_p[name], got.cpu(), tol["grad"])
+        check_rank(rank, lengths, use_gate, seed, device)
         dist.barrier()  # no rank tears the group down while another's last collective is in flight
     finally:
         dist.destroy_process_group()
+
+
+def check_rank(rank, lengths, use_gate, seed, device):
+    """One rank's checks of one case in an initialised default group (also run under torchrun by
+    tools/gpu/cp_torchrun.py): the forward and gradients against one-process CPU chunk_kda, then a forward-only pass."""
+    torch.set_num_threads(1)  # ranks share the machine's cores
+    kdakit._C.set_cpu_threads(1)
+    tensors, opts, w, cu = make_inputs(lengths, use_gate, seed)
+    tol = TOL[device]
+    ref_o, ref_g, ref_p = grads_of(tensors, opts, lambda x, o: (
+        lambda out: (out, (out * w).sum()))(kdakit.chunk_kda(*x, cu_seqlens=cu, **o)[0]))
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    ctx = cp.build_context(cu.to(dev), group=dist.group.WORLD)
+    s, e = ctx.token_start, ctx.token_end
+    local = [t[:, s:e].to(dev) for t in tensors]
+    local_opts = {n: (t.to(dev) if isinstance(t, torch.Tensor) else t) for n, t in opts.items()}
+    w_local = w[:, s:e].to(dev)
+
+    def local_loss(x, o):
+        out, final = kdakit.chunk_kda(*x, cp_context=ctx, **o)
+        assert final is None
+        return out, (out * w_local).sum()
+
+    o, g, p = grads_of(local, local_opts, local_loss)
+    assert_close(f"rank {rank}: o", ref_o[:, s:e], o.cpu(), tol["o"])
+    for name, want, got in zip(("dq", "dk", "dv", "dg", "dbeta"), ref_g, g):
+        assert_close(f"rank {rank}: {name}", want[:, s:e], got.cpu(), tol["grad"])
+    with torch.inference_mode():  # forward-only: a rank holding one sequence takes the split forward on CUDA
+        o_fwd, _ = kdakit.chunk_kda(*local, cp_context=ctx, **local_opts)
+    assert_close(f"rank {rank}: o (forward-only)", ref_o[:, s:e], o_fwd.cpu(), tol["o"])
+    for name, got in p.items():  # parameters shared by every token: the ranks' parts summed
+        dist.all_reduce(got, group=dist.group.WORLD)
+        assert_close(f"rank {rank}: d{name}", ref_p[name], got.cpu(), tol["grad"])
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

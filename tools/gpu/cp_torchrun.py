@@ -1,0 +1,53 @@
+"""The multi-GPU context-parallel checks of tests/python/test_cp_group.py, launched by torchrun.
+
+    torchrun --nproc_per_node 4 tools/gpu/cp_torchrun.py [--device cuda|cpu]
+
+One process per GPU (NCCL; `--device cpu`: gloo on the CPU), every case of the test file (fixed-length sequences,
+varlen sequences crossing rank edges, one sequence over every rank, GVA, both gates): each rank's output and
+gradients against one-process CPU chunk_kda, then a forward-only pass (the split forward where a rank holds one
+sequence). Rank 0 prints one line per case; the exit status is 1 if any rank failed a case.
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "python"))
+import test_cp_group as cases  # noqa: E402
+
+
+def main(argv):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    a = ap.parse_args(argv)
+    if a.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failed = 0
+    try:
+        for name, lengths in cases.CASES.items():
+            for use_gate in (False, True):
+                error = ""
+                try:
+                    cases.check_rank(rank, lengths, use_gate, 1234, a.device)
+                except AssertionError as e:
+                    error = str(e).splitlines()[0][:160]
+                bad = torch.tensor([1 if error else 0], device=a.device if a.device == "cuda" else "cpu")
+                dist.all_reduce(bad)
+                failed += int(bad.item() > 0)
+                if error:
+                    print(f"rank {rank}: {name} gate={use_gate}: {error}", flush=True)
+                if rank == 0:
+                    print(f"{world} ranks ({a.device}): {name:9s} gate={use_gate!s:5s} "
+                          f"{'FAILED on ' + str(int(bad.item())) + ' ranks' if bad.item() else 'passed'}", flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
