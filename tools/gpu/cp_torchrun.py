@@ -50,4 +50,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # past the interpreter's teardown, where a gloo rank has aborted now and then (test_cp_group)
