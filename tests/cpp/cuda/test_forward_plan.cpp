@@ -80,6 +80,17 @@ void expect_workspace_layout(const ForwardLaunch& f, const ForwardParams& p, con
   }
 }
 
+// Planning the case throws InvalidArgument naming `argument`, with `text` in its message.
+void expect_rejected(const ForwardCase& c, const char* argument, const char* text) {
+  try {
+    c.plan();
+    ADD_FAILURE() << "expected InvalidArgument for " << argument;
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(e.argument(), argument);
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+  }
+}
+
 TEST(ForwardPlan, HopperManyHeadsTakesWarpgroupMmaWithoutCuts) {
   const ForwardCase c(1, 8192, 64);
   const ForwardLaunch f = c.plan();
@@ -231,15 +242,6 @@ TEST(ForwardPlan, GInItsOwnDtype) {
 }
 
 TEST(ForwardPlan, RejectsInputDtypesTheKernelsDoNotTake) {
-  auto expect_rejected = [](ForwardCase c, const char* argument, const char* text) {
-    try {
-      c.plan();
-      ADD_FAILURE() << "expected InvalidArgument for " << argument;
-    } catch (const InvalidArgument& e) {
-      EXPECT_EQ(e.argument(), argument);
-      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
-    }
-  };
   ForwardCase g64(1, 256, 4);
   g64.p.in.g.dtype = DType::kFloat64;
   expect_rejected(g64, "g", "float64 runs on the CPU");
@@ -278,15 +280,6 @@ TEST(ForwardPlan, SplitContextParallelHalvesShareOneWorkspace) {
   EXPECT_EQ(c.segments, ForwardCase(1, 65536, 8).plan().segments);  // 8: the one-GPU cut
   EXPECT_EQ(c.total, f8.plan().total);
   // What the halves refuse, naming the argument.
-  auto expect_rejected = [](ForwardCase c, const char* argument, const char* text) {
-    try {
-      c.plan();
-      ADD_FAILURE() << "expected InvalidArgument for " << argument;
-    } catch (const InvalidArgument& e) {
-      EXPECT_EQ(e.argument(), argument);
-      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
-    }
-  };
   ForwardCase with_h0 = s1;
   with_h0.p.state.initial_state = device_view(DType::kFloat32, {1, 8, 128, 128});
   expect_rejected(with_h0, "initial_state", "starts from zero");
