@@ -9,8 +9,10 @@ rank folds those of the ranks its first sequence spans into that sequence's init
 `chunk_kda(..., cp_context=ctx)` runs it over the context's torch.distributed group (`forward`): each rank computes
 its last local piece's `(S_ext, M)` with kdakit's own forward, one all-gather exchanges them, each rank folds its
 incoming state and runs its local batch from it. Every step is differentiable (the all-gather through
-`torch.distributed.nn`), so autograd gives the backward across ranks, gradients of `(S_ext, M)` included. The
-transition costs one more forward over the last local piece, with K value columns: correct, not yet fast.
+`torch.distributed.nn`), so autograd gives the backward across ranks, gradients of `(S_ext, M)` included. That
+path's transition costs one more forward over the last local piece, with K value columns. Forward-only ranks holding
+one sequence piece on CUDA take the split forward instead (`_split_forward`: `(S_ext, M)` from the forward's own
+segment scan, the local tokens read once).
 `_simulated_forward` plays a whole group on one device, a list standing for the all-gather.
 """
 from __future__ import annotations
