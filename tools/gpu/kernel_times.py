@@ -3,7 +3,8 @@ row's benchmark time is the kernels themselves (the rest is launch latency or ho
 
     python3 tools/gpu/kernel_times.py [--kdakit-only] [row name substring] [...]
 
-Forward rows are named as in `kdakit.bench.FORWARD_SHAPES`, decode rows as in `kdakit.bench_decode.decode_cases()`
+Forward rows are named as in `kdakit.bench.FORWARD_SHAPES`, training rows (one forward + backward step) as in
+`kdakit.bench_train.TRAIN_SHAPES` (e.g. "train B1 T8192 H64"), decode rows as in `kdakit.bench_decode.decode_cases()`
 (e.g. "decode T1 N1 H16 fp32"; rows of the batch-vfirst form unless the substring names a form, e.g.
 "decode T1 N256 H16 fp32 varlen-kfirst").
 """
@@ -12,13 +13,14 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kdakit import bench, bench_decode
+from kdakit import bench, bench_decode, bench_peers, bench_train
 
 REPS = 5
 
 
-def report(name, label, fn, x):
-    with torch.inference_mode():
+def report(name, label, fn, x, grad=False):
+    """Kernel times of fn(x); grad: a training step, run with autograd on."""
+    with torch.inference_mode(not grad):
         for _ in range(3):
             fn(x)
         torch.cuda.synchronize()
@@ -41,6 +43,18 @@ def report(name, label, fn, x):
 def main(names):
     only = "--kdakit-only" in names  # skip the peers (their first calls compile for a while)
     names = [n for n in names if n != "--kdakit-only"] or ["B1 T8192 H64"]
+    train = [s for s in bench_train.TRAIN_SHAPES if any(n in s[0] for n in names)]
+    fla_train = None
+    if train and not only:
+        fla_train = bench_peers.fla_chunk_kda(print)
+    for name, B, T, H, HV, lens in train:
+        torch.manual_seed(0)
+        x, _ = bench.forward_inputs(B, T, H, HV, lens)
+        report(name, "kdakit", lambda x: bench_peers.kdakit_train_step(x)(), x, grad=True)
+        if fla_train is not None:
+            report(name, "FLA", lambda x: bench_peers.fla_train_step(fla_train, x)(), x, grad=True)
+    if train and all(n.startswith("train") for n in names):
+        return
     fla = None if only else bench.fla_runner()
     for name, B, T, H, HV, lens in bench.FORWARD_SHAPES:
         if any(s in name for s in names):
