@@ -33,8 +33,7 @@ void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream
     check_launch("backward_wy_kernel");
     auto grad = backward_grad_kernel<InT>;
     set_dynamic_smem(reinterpret_cast<const void*>(grad), bl.smem.grad);
-    grad<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV), static_cast<unsigned>(bl.nks)),
-           kBwdThreads, bl.smem.grad, stream>>>(a);
+    grad<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV)), kBwdThreads, bl.smem.grad, stream>>>(a);
     check_launch("backward_grad_kernel");
   }
   if (bl.rows > 0) {

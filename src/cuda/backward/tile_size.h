@@ -30,19 +30,22 @@ constexpr std::size_t bwd_wy_smem(int C, int KP) {
   return sizeof(float) * (std::size_t(C) * (C + 1) + std::size_t(KP + 5 * C) * kBwdLd + C);
 }
 
-// The gradient pass, per (chunk, v-head, 16 keys): the slice's q, k, gates, lam, rho, sigma, the three state products
-// and the gate gradient's two sums [C][16] each (11 tiles); the union of the value tiles (dO, dbv, v_new [C][32]; S,
-// dH [16][32]) and the intra-chunk products (dq_row, dk_row, dk_col, a_row, b_col, dgp [C][16] and the per-(row,
-// block) pair sums [C][4][16]); per row: beta and the two norms; per slice: the sub-chunk totals [4][16], gamma and
-// rowsum(S dH); four block flags; the block sum's scratch.
+// The gradient pass, per (chunk, v-head, 16 keys): the slice's q, k, gates, exp(lam), exp(rho), exp(sigma),
+// exp(-sigma), the three state products and the gate gradient's two sums [C][16] each (12 tiles); the union of the
+// value tiles (dO, dbv, v_new [C][32]; S, dH [16][32], rows of kBwdLdv floats: the tensor cores' operands) and the
+// intra-chunk products (dq_row, dk_row, dk_col, a_row, b_col, dgp and the diagonal blocks' column parts [C][16], and
+// the per-(row, earlier block) pair sums [C][3][16]); per row: beta and the two norms; per slice: the sub-chunk totals
+// and their exponentials [4][16] each, gamma and rowsum(S dH); four block flags; the block sum's scratch.
+constexpr int kBwdLdv = kBwdCols + 8;  // row stride of the gradient kernel's [rows][32] operand tiles (float2 reads)
+constexpr int kBwdGradTiles = 12;
 constexpr std::size_t bwd_grad_union(int C) {
-  const std::size_t values = std::size_t(3 * C + 2 * kBwdKSlice) * kBwdLd;
-  const std::size_t intra = std::size_t(6 * C) * kBwdLdk + std::size_t(C) * 4 * kBwdKSlice;
+  const std::size_t values = std::size_t(3 * C + 2 * kBwdKSlice) * kBwdLdv;
+  const std::size_t intra = std::size_t(7 * C) * kBwdLdk + std::size_t(C) * 3 * kBwdKSlice;
   return values > intra ? values : intra;
 }
 constexpr std::size_t bwd_grad_smem(int C) {
-  return sizeof(float) * (std::size_t(11 * C) * kBwdLdk + bwd_grad_union(C) + 3 * std::size_t(C) + 6 * kBwdKSlice +
-                          4 + kBwdRowGroups);
+  return sizeof(float) * (std::size_t(kBwdGradTiles * C) * kBwdLdk + bwd_grad_union(C) + 3 * std::size_t(C) +
+                          10 * kBwdKSlice + 4 + kBwdRowGroups);
 }
 
 struct BackwardSmem {
