@@ -12,20 +12,37 @@
 #include "cuda/backward/reduce.cuh"
 #include "cuda/backward/scan_sm80.cuh"
 #include "cuda/backward/wy_sm80.cuh"
+#include "cuda/common/static_switch.h"
 #include "cuda/device.h"
 
 namespace kdakit::cuda {
 
+// The reverse state scan at the plan's value tile (BwdScanLayout) and stage ring.
+template <typename Elem>
+void launch_backward_scan(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream_t stream) {
+  auto launch = [&](auto kp_tag, auto bv_tag) {
+    constexpr int KP = decltype(kp_tag)::value, BV = decltype(bv_tag)::value;
+    auto scan = backward_scan_kernel<Elem, KP, BV>;
+    set_dynamic_smem(reinterpret_cast<const void*>(scan), bl.smem.scan);
+    const int64_t ctas = int64_t(a.N) * a.HV * bl.vt;
+    scan<<<static_cast<unsigned>(ctas), bwd_scan_threads(BV), bl.smem.scan, stream>>>(a, bl.scan_ring);
+    check_launch("backward_scan_kernel");
+  };
+  with_kp(a.KP, [&](auto kp_tag) {
+    switch (bl.scan_bv) {
+      case 16: launch(kp_tag, std::integral_constant<int, 16>()); break;
+      case 32: launch(kp_tag, std::integral_constant<int, 32>()); break;
+      default:
+        if constexpr (bwd_scan_max_bv(decltype(kp_tag)::value) >= 64) launch(kp_tag, std::integral_constant<int, 64>());
+        else launch(kp_tag, std::integral_constant<int, 32>());
+    }
+  });
+}
+
 template <typename InT>
 void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream_t stream) {
   using Elem = typename std::conditional<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16, float>::type;
-  if (a.N > 0) {
-    auto scan = backward_scan_kernel<Elem>;
-    set_dynamic_smem(reinterpret_cast<const void*>(scan), bl.smem.scan);
-    const int64_t ctas = int64_t(a.N) * a.HV * bl.vt;
-    scan<<<static_cast<unsigned>(ctas), kBwdThreads, bl.smem.scan, stream>>>(a);
-    check_launch("backward_scan_kernel");
-  }
+  if (a.N > 0) launch_backward_scan<Elem>(a, bl, stream);
   if (bl.slots > 0) {
     auto wy = backward_wy_kernel<InT, Elem>;
     set_dynamic_smem(reinterpret_cast<const void*>(wy), bl.smem.wy);

@@ -26,14 +26,34 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
   bp.fwd.cfg.prepare_only = !bp.recompute_states;
   bp.slots = bp.fwd.slots;
   bp.rows = pr.B * pr.T;
-  bp.vt = static_cast<int>((pr.V + kBwdCols - 1) / kBwdCols);
   bp.nks = static_cast<int>((pr.K + kBwdKSlice - 1) / kBwdKSlice);
   const int C = p.chunk_size, KP = bp.fwd.cfg.KP;
-  bp.smem = backward_smem(C, KP);
-
   const std::size_t limit = tuning.smem_limit > 0 && static_cast<std::size_t>(tuning.smem_limit) < device.smem_optin
                                 ? static_cast<std::size_t>(tuning.smem_limit)
                                 : device.smem_optin;
+
+  // The scan's tile: the widest value tile whose stage ring prefetches (the deeper ring first), else the widest with
+  // one stage slot; the narrowest one-slot tile where nothing fits (the check below reports it). Wide tiles read each
+  // workspace tile for more columns.
+  const int esz = static_cast<int>(bp.fwd.esz);
+  auto pick_scan = [&](int ring_lo, int ring_hi) {
+    for (const int bv : {64, 32, 16}) {
+      for (int ring = ring_hi; ring >= ring_lo; --ring) {
+        if (bv <= bwd_scan_max_bv(KP) && bwd_scan_smem(esz, KP, bv, ring) <= limit) {
+          bp.scan_bv = bv;
+          bp.scan_ring = ring;
+          return true;
+        }
+      }
+    }
+    return false;
+  };
+  if (!pick_scan(2, kBwdScanMaxRing) && !pick_scan(1, 1)) {
+    bp.scan_bv = 16;
+    bp.scan_ring = 1;
+  }
+  bp.vt = static_cast<int>((pr.V + bp.scan_bv - 1) / bp.scan_bv);
+  bp.smem = backward_smem(C, KP, bwd_scan_smem(esz, KP, bp.scan_bv, bp.scan_ring));
   const std::size_t need = std::max({bp.smem.scan, bp.smem.wy, bp.smem.grad});
   if (need > limit) {
     throw CudaError("kdakit: the CUDA backward's kernels need " + std::to_string(need) +

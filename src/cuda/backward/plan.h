@@ -22,7 +22,9 @@ struct BackwardLaunch {
   bool recompute_states = true;  // false: BackwardParams::chunk_states are read instead
   int64_t slots = 0;     // chunk slots (fwd.slots): an upper bound of the chunks
   int64_t rows = 0;      // token rows B * T
-  int vt = 1;            // 32-column value tiles
+  int vt = 1;            // the scan's value tiles (scan_bv columns each)
+  int scan_bv = 64;      // the scan's value columns per CTA: 16, 32, 64 (BwdScanLayout)
+  int scan_ring = 2;     // the scan's stage slots: 1 (no prefetch) to kBwdScanMaxRing
   int nks = 1;           // 16-key slices of the gradient kernel
   BackwardSmem smem;
   // Workspace parts after the forward's (byte offsets, 256-byte aligned) and the total:

@@ -1,20 +1,51 @@
-// The reverse state scan of the backward (stage 3 of src/cpu/backward_chunked.cpp): one CTA per (sequence, v-head,
-// 32 value columns), serial over the sequence's chunks from the last. From dS = dht (or zero), per chunk: the
-// gradient of its end state dh_c = dS, dv_new = kg dS + Aqk^T dO, dS <- gamma dS + qg^T dO - w^T dv_new (qg and Aqk
-// carry the scale); after chunk 0, dS is d_initial_state. It reads the forward's prepare tiles (Elem) and keeps dS
-// in fp32 shared memory: lane = value column, warps over keys (dS) or chunk rows (dv_new), so a warp's tile reads are
-// one broadcast address.
+// The reverse state scan of the backward (stage 3 of src/cpu/backward_chunked.cpp) on tensor cores (mma.sync): one CTA
+// per (sequence, v-head, BV value columns), serial over the sequence's chunks from the last. From dS = dht (or zero),
+// per chunk: the gradient of its end state dh_c = dS, dv_new = kg dS + Aqk^T dO, dS <- gamma dS + qg^T dO - w^T dv_new
+// (qg and Aqk carry the scale); after chunk 0, dS is d_initial_state. The mirror image of the forward's
+// recurrence_kernel: dS [KP][BV] lives in the warps' accumulators (warp = row group w4 + 4 * column group: KP / 4
+// state rows and 16 chunk rows of dv_new each) and goes through shared memory once per chunk as the B operand of
+// kg dS; dv_new goes there as the B operand of w^T dv_new. The forward's prepare tiles (Elem) arrive by cp.async in a
+// ring of stage slots (BwdScanLayout), dO through registers (any float dtype) one chunk ahead.
+//
+// Precision: bf16 operands keep dS as hi + lo tiles (two MMAs for kg dS: a state rounded once to bf16 would dominate
+// the error, as in the forward) and take Aqk's lo tile; dO and dv_new are bf16 operands. Float operands (float16 and
+// float32 inputs) are split into hi + lo everywhere (three MMAs). Accumulation is fp32 in a fixed order.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/backward/common.cuh"
+#include "cuda/common/sm80/mma.cuh"
 
 namespace kdakit::cuda {
 
-template <typename Elem>
-__global__ void __launch_bounds__(kBwdThreads, 1) backward_scan_kernel(const BackwardArgs a) {
-  constexpr int LD = kBwdLd, RG = kBwdRowGroups;
-  const int C = a.chunk, KP = a.KP, K = a.K, V = a.V;
-  const int VT = (V + kBwdCols - 1) / kBwdCols;
+// Rows [0, C) of a [C][KP] workspace tile into a stage tile of row stride LDK, 16 bytes a thread and step. Not
+// unrolled: unrolled steps keep their addresses in registers across the chunk loop.
+template <typename Elem, int KP, int LDK, int NT>
+__device__ __forceinline__ void copy_scan_tile(Elem* dst, const Elem* src, int C) {
+  constexpr int EPC = 16 / sizeof(Elem), KC = KP / EPC;
+#pragma unroll 1
+  for (int e = threadIdx.x; e < C * KC; e += NT) {
+    const int r = e / KC, c = (e % KC) * EPC;
+    cp_async16(dst + r * LDK + c, src + r * KP + c);
+  }
+}
+
+constexpr int bwd_scan_threads(int BV) { return BwdScanLayout{2, 64, BV}.threads(); }
+
+template <typename Elem, int KP, int BV>
+__global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(const BackwardArgs a, const int ring) {
+  constexpr BwdScanLayout L{static_cast<int>(sizeof(Elem)), KP, BV};
+  using Op = Operand<Elem>;
+  constexpr int NT = L.threads(), HB = L.cols_per_warp(), NTV = HB / 8, NP = NTV > 1 ? NTV / 2 : 1;
+  constexpr int MT = KP / 64, ROWS = KP / 4, P = L.phases();
+  constexpr int LDK = L.ldk(), LDB = L.ldb(), LDA = L.lda();
+  constexpr bool SPLIT = L.split();
+  constexpr std::size_t SLOT = L.slot_bytes();
+  constexpr int DO_PER = kBwdMaxChunk * BV / NT;  // dO elements per thread
+  static_assert(NT % BV == 0 && DO_PER * NT == kBwdMaxChunk * BV, "dO rows in whole passes of the CTA");
+  const int C = a.chunk, K = a.K, V = a.V;
+  const int VT = (V + BV - 1) / BV;
   int64_t idx = blockIdx.x;
   const int vt = static_cast<int>(idx % VT);
   idx /= VT;
@@ -22,62 +53,205 @@ __global__ void __launch_bounds__(kBwdThreads, 1) backward_scan_kernel(const Bac
   const int n = static_cast<int>(idx / a.HV);
   int64_t b, t0, len;
   sequence(a, n, b, t0, len);
-  const int64_t nch = (len + C - 1) / C, base = a.chunk_offsets[n];
-  const int tid = threadIdx.x, lane = tid & 31, rg = tid >> 5;
-  const int col = vt * kBwdCols + lane;
-  const bool col_in = col < V;
+  const int nch = static_cast<int>((len + C - 1) / C);
+  const int64_t base = a.chunk_offsets[n];
+  const int tid = threadIdx.x, warp = tid >> 5, w4 = warp & 3, cb = (warp >> 2) * HB;
+  const int v0 = vt * BV + cb;  // this warp's first value column
+  const bool dv_rows = 16 * w4 < C;
+  const bool even_v = (V & 1) == 0;  // adjacent columns as one 8-byte store
 
-  extern __shared__ __align__(16) float smem[];
-  float* sdS = smem;               // [KP][LD]
-  float* sdv = sdS + KP * LD;      // [C][LD] dv_new
-  float* sdO = sdv + C * LD;       // [C][LD]
-  float* sgam = sdO + C * LD;      // [KP]
+  extern __shared__ __align__(16) char smem_raw[];
+  Elem* sdO = reinterpret_cast<Elem*>(smem_raw + ring * SLOT);  // [2][64][LDB]: chunk ci in ci & 1
+  Elem* sDv = sdO + 2 * kBwdMaxChunk * LDB;                      // [64][LDB]: -dv_new
+  Elem* sS = sDv + kBwdMaxChunk * LDB;                           // [KP][LDB]: dS (its hi part if SPLIT)
+  Elem* sSlo = sS + KP * LDB;                                    // [KP][LDB]: dS's lo part (SPLIT)
 
-  for (int d = rg; d < KP; d += RG) {
-    sdS[d * LD + lane] = col_in && d < K && a.d_final.present()
-                             ? a.d_final.load(a.d_final.offset(n, hv, d, col, K, V, a.vk))
-                             : 0.f;
-  }
-  for (int64_t ci = nch - 1; ci >= 0; --ci) {
-    const int64_t slot = base + ci, tile = a.tile(slot, hv), row0 = t0 + ci * C;
-    const int nrows = static_cast<int>(min(static_cast<int64_t>(C), len - ci * C));
-    __syncthreads();  // the previous chunk's update of dS, and its readers of sdO and sgam, are done
-    if (col_in) {
-      for (int d = rg; d < K; d += RG) a.ws_dh[(tile * K + d) * V + col] = sdS[d * LD + lane];
-    }
-    for (int i = rg; i < C; i += RG) {
-      sdO[i * LD + lane] = i < nrows && col_in ? a.d_out.load(a.d_out.offset(b, row0 + i, hv) + col) : 0.f;
-    }
-    for (int d = tid; d < KP; d += kBwdThreads) sgam[d] = a.ws_gam[tile * KP + d];
-    __syncthreads();
-    // dv_new = kg dS + Aqk^T dO (Aqk of bf16 operands as hi + lo).
-    const int64_t t_k = tile * C * KP, t_a = tile * C * C;
-    for (int i = rg; i < C; i += RG) {
-      float acc = 0.f;
-      if (i < nrows) {
-        for (int d = 0; d < K; ++d) acc += tile_at<Elem>(a.ws_kg, t_k + i * KP + d) * sdS[d * LD + lane];
-        for (int j = i; j < nrows; ++j) {
-          float aji = tile_at<Elem>(a.ws_a, t_a + j * C + i);
-          if (a.ws_alo != nullptr) aji += tile_at<Elem>(a.ws_alo, t_a + j * C + i);
-          acc += aji * sdO[j * LD + lane];
+  // Stage slot of phase h: t0 = kg (phase 0), qg or w; t1 = w beside qg (two phases); Aqk, its lo tile and gamma
+  // beside kg.
+  struct Slot {
+    Elem *t0, *t1, *aqk, *alo;
+    float* gam;
+  };
+  auto slot = [&](int h) {
+    Slot s;
+    s.t0 = reinterpret_cast<Elem*>(smem_raw + (h % ring) * SLOT);
+    s.t1 = s.t0 + kBwdMaxChunk * LDK;
+    s.aqk = s.t1;
+    s.alo = s.aqk + kBwdMaxChunk * LDA;
+    s.gam = reinterpret_cast<float*>(s.aqk + (SPLIT ? 2 : 1) * kBwdMaxChunk * LDA);
+    return s;
+  };
+  // Phase h's tiles (chunk nch - 1 - h / P) as one commit group; an empty group past chunk 0, so that every phase
+  // waits for the same count.
+  const bool with_alo = SPLIT && a.ws_alo != nullptr;
+  auto issue = [&](int h) {
+    const int ci = nch - 1 - h / P, p = h % P;
+    if (ci >= 0) {
+      constexpr int EPC = 16 / sizeof(Elem);
+      const int64_t tile = a.tile(base + ci, hv);
+      const Slot s = slot(h);
+      auto ws_tile = [&](const void* ws) { return static_cast<const Elem*>(ws) + tile * C * KP; };
+      if (p == 0) {
+        copy_scan_tile<Elem, KP, LDK, NT>(s.t0, ws_tile(a.ws_kg), C);
+        const Elem* ga = static_cast<const Elem*>(a.ws_a) + tile * C * C;
+        const Elem* galo = static_cast<const Elem*>(a.ws_alo) + tile * C * C;
+        const int AC = C / EPC;
+        for (int e = tid; e < C * AC; e += NT) {
+          const int r = e / AC, c = (e % AC) * EPC;
+          cp_async16(s.aqk + r * LDA + c, ga + r * C + c);
+          if (with_alo) cp_async16(s.alo + r * LDA + c, galo + r * C + c);
         }
+        const float* gg = a.ws_gam + tile * KP;
+        for (int e = tid; e < KP / 4; e += NT) cp_async16(s.gam + 4 * e, gg + 4 * e);
+      } else if (P == 2) {
+        copy_scan_tile<Elem, KP, LDK, NT>(s.t0, ws_tile(a.ws_qg), C);
+        copy_scan_tile<Elem, KP, LDK, NT>(s.t1, ws_tile(a.ws_w), C);
+      } else {
+        copy_scan_tile<Elem, KP, LDK, NT>(s.t0, ws_tile(p == 1 ? a.ws_qg : a.ws_w), C);
       }
-      sdv[i * LD + lane] = acc;
-      if (col_in) a.ws_dvnew[(tile * C + i) * V + col] = acc;
+    }
+    cp_async_commit();
+  };
+  // The start of phase h: its slot has landed and every warp is done with phase h - 1, whose slot then takes phase
+  // h + ring - 1's tiles. One slot: copy, wait, and no overlap.
+  auto begin_phase = [&](int h) {
+    if (ring == 1) {
+      __syncthreads();
+      issue(h);
+      cp_async_wait<0>();
+    } else {
+      cp_async_wait(ring - 2);
     }
     __syncthreads();
-    // dS <- gamma dS + qg^T dO - w^T dv_new: each thread its own keys of its column.
-    for (int d = rg; d < K; d += RG) {
-      float acc = sgam[d] * sdS[d * LD + lane];
-      for (int i = 0; i < nrows; ++i) {
-        acc += tile_at<Elem>(a.ws_qg, t_k + i * KP + d) * sdO[i * LD + lane] -
-               tile_at<Elem>(a.ws_w, t_k + i * KP + d) * sdv[i * LD + lane];
+    if (ring > 1) issue(h + ring - 1);
+    return slot(h);
+  };
+
+  // dO of chunk ci (zero past its rows and V): loaded into registers while a chunk computes, stored after it.
+  float dov[DO_PER];
+  const int do_c = tid % BV, do_r = tid / BV;  // each thread keeps one column
+  auto load_dO = [&](int ci) {
+    const int64_t row0 = t0 + int64_t(ci) * C;
+    const int nrows = static_cast<int>(min(static_cast<int64_t>(C), len - int64_t(ci) * C));
+    const int v = vt * BV + do_c;
+    with_typed(a.d_out, [&](auto* p) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(p)>>;
+#pragma unroll
+      for (int i = 0; i < DO_PER; ++i) {
+        const int r = do_r + i * (NT / BV);
+        float x = 0.f;
+        if (r < nrows && v < V) {
+          const T y = p[a.d_out.offset(b, row0 + r, hv) + v];
+          if constexpr (std::is_same_v<T, double>) x = static_cast<float>(y);
+          else x = to_float(y);
+        }
+        dov[i] = x;
       }
-      sdS[d * LD + lane] = acc;
+    });
+  };
+  auto store_dO = [&](int ci) {
+    Elem* dst = sdO + (ci & 1) * kBwdMaxChunk * LDB;
+#pragma unroll
+    for (int i = 0; i < DO_PER; ++i) Op::store(dst + (do_r + i * (NT / BV)) * LDB + do_c, dov[i]);
+  };
+  // Columns v, v + 1 of a workspace row (fp32).
+  auto store_pair = [&](float* row, int v, float x0, float x1) {
+    if (even_v && v < V) {
+      *reinterpret_cast<float2*>(row + v) = make_float2(x0, x1);
+    } else {
+      if (v < V) row[v] = x0;
+      if (v + 1 < V) row[v + 1] = x1;
     }
+  };
+
+  FragC dS[MT][NTV];
+  for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
+    const int d = w4 * ROWS + row, v = v0 + col;
+    dS[mt][nt].x[e] = a.d_final.present() && d < K && v < V
+                          ? a.d_final.load(a.d_final.offset(n, hv, d, v, K, V, a.vk))
+                          : 0.f;
+  });
+
+  if (nch > 0) {
+    load_dO(nch - 1);
+    store_dO(nch - 1);
   }
-  if (a.d_initial.present() && col_in) {
-    for (int d = rg; d < K; d += RG) a.d_initial.store(a.d_initial.offset(n, hv, d, col, K, V, a.vk), sdS[d * LD + lane]);
+  for (int h = 0; h < ring - 1; ++h) issue(h);
+  for (int ci = nch - 1; ci >= 0; --ci) {
+    const int h0 = (nch - 1 - ci) * P;
+    const int64_t tile = a.tile(base + ci, hv);
+    const int nrows = static_cast<int>(min(static_cast<int64_t>(C), len - int64_t(ci) * C));
+    const Elem* dO = sdO + (ci & 1) * kBwdMaxChunk * LDB + cb;
+
+    // dh_c = dS: to the workspace, and to shared memory as the B operand of kg dS. Every warp is past the barrier
+    // that began the last phase of chunk ci + 1, so nobody reads sS any more.
+    {
+      float* dh = a.ws_dh + tile * K * V;
+      for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
+        if ((e & 1) == 0) {
+          const int d = w4 * ROWS + row;
+          const float x0 = dS[mt][nt].x[e], x1 = dS[mt][nt].x[e + 1];
+          if constexpr (SPLIT) {
+            uint32_t hi, lo;
+            split_pack(x0, x1, hi, lo);
+            *reinterpret_cast<uint32_t*>(sS + d * LDB + cb + col) = hi;
+            *reinterpret_cast<uint32_t*>(sSlo + d * LDB + cb + col) = lo;
+          } else {
+            Op::store2(sS + d * LDB + cb + col, x0, x1);
+          }
+          if (d < K) store_pair(dh + int64_t(d) * V, v0 + col, x0, x1);
+        }
+      });
+    }
+
+    // Phase 0: dS <- gamma dS in the accumulators (its copy above feeds kg dS); dv_new = kg dS + Aqk^T dO for this
+    // warp's 16 rows (Aqk is lower triangular: rows i take dO rows j >= i, from i's block on).
+    Slot s = begin_phase(h0);
+    if (ci > 0) load_dO(ci - 1);
+    {
+      const int g = (tid & 31) >> 2;
+      float gam[MT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        gam[mt][0] = s.gam[w4 * ROWS + 16 * mt + g];
+        gam[mt][1] = s.gam[w4 * ROWS + 16 * mt + g + 8];
+      }
+      for_each_acc<MT, NTV>([&](int mt, int nt, int e, int, int) { dS[mt][nt].x[e] *= gam[mt][e >> 1]; });
+    }
+    if (dv_rows) {
+      FragC dv[1][NTV];
+#pragma unroll
+      for (int i = 0; i < NTV; ++i) dv[0][i].zero();
+      warp_gemm<Elem, 1, NTV, false, true, SPLIT>(dv, s.t0, LDK, 16 * w4, sS + cb, LDB, 0, 0, KP / 16, NP, sSlo + cb);
+      const int ks = C / 16 - w4;
+      if (with_alo) warp_gemm<Elem, 1, NTV, true, true>(dv, s.alo, LDA, 16 * w4, dO, LDB, 0, 16 * w4, ks);
+      warp_gemm<Elem, 1, NTV, true, true>(dv, s.aqk, LDA, 16 * w4, dO, LDB, 0, 16 * w4, ks);
+      // Rows past the chunk are zero; -dv_new is the B operand of the update (an exact negation).
+      float* dvn = a.ws_dvnew + tile * C * V;
+      for_each_acc<1, NTV>([&](int, int nt, int e, int row, int col) {
+        if ((e & 1) == 0) {
+          const int r = 16 * w4 + row;
+          const float x0 = r < nrows ? dv[0][nt].x[e] : 0.f, x1 = r < nrows ? dv[0][nt].x[e + 1] : 0.f;
+          Op::store2(sDv + r * LDB + cb + col, -x0, -x1);
+          store_pair(dvn + int64_t(r) * V, v0 + col, x0, x1);
+        }
+      });
+    }
+
+    // The update's products for this warp's state rows: dS += qg^T dO, then dS += w^T (-dv_new).
+    s = begin_phase(h0 + 1);
+    warp_gemm<Elem, MT, NTV, true, true>(dS, s.t0, LDK, w4 * ROWS, dO, LDB, 0, 0, C / 16);
+    if constexpr (P == 3) s = begin_phase(h0 + 2);
+    warp_gemm<Elem, MT, NTV, true, true>(dS, P == 2 ? s.t1 : s.t0, LDK, w4 * ROWS, sDv + cb, LDB, 0, 0, C / 16);
+    // Chunk ci + 1 read the other dO buffer up to its phase 1, before the barrier that began this chunk.
+    if (ci > 0) store_dO(ci - 1);
+  }
+
+  if (a.d_initial.present()) {
+    for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
+      const int d = w4 * ROWS + row, v = v0 + col;
+      if (d < K && v < V) a.d_initial.store(a.d_initial.offset(n, hv, d, v, K, V, a.vk), dS[mt][nt].x[e]);
+    });
   }
 }
 

@@ -2,9 +2,9 @@
 // forward's kernels, with the forward's layouts): the kernels carve their shared memory by them and the planner
 // (backward/plan.cpp) sizes the launches by them. Plain C++ (host and device).
 //
-// These kernels run on CUDA cores in fp32, a tile of 32 value columns at a time (one per lane; eight warps of row
-// groups): the first, correctness-first form of the backward, whose products the tensor-core tiles of the forward
-// (src/cuda/common/sm80/mma.cuh) are to take over.
+// The reverse state scan runs on tensor cores (src/cuda/common/sm80/mma.cuh) with its own tiles (BwdScanLayout). The
+// WY pass and the gradient kernel run on CUDA cores in fp32, a tile of 32 value columns at a time (one per lane; eight
+// warps of row groups): their correctness-first form, whose products the tensor-core tiles are to take over.
 #pragma once
 
 #include <cstddef>
@@ -19,9 +19,46 @@ constexpr int kBwdKSlice = 16;                       // key dimensions per CTA o
 constexpr int kBwdLdk = kBwdKSlice + 1;              // row stride of a [C][16] fp32 slice tile
 constexpr int kBwdMaxChunk = 64;
 
-// The reverse state scan, per (sequence, v-head, 32 value columns): dS [KP][32], dv_new and dO [C][32], gamma [KP].
-constexpr std::size_t bwd_scan_smem(int C, int KP) {
-  return sizeof(float) * (std::size_t(KP + 2 * C) * kBwdLd + KP);
+// The reverse state scan (scan_sm80.cuh), per (sequence, v-head, BV value columns), for operands of elem_bytes (2:
+// bf16, 4: float, split into hi + lo in the products). Warps: four row groups (16 chunk rows of dv_new, KP / 4 rows of
+// dS each) times two column groups, four from BV = 64 on (the forward's recurrence_kernel shape).
+// Shared memory: a ring of `ring` stage slots, then dO [2][64][LDB] (this chunk's and the next one's), -dv_new
+// [64][LDB] and dS [KP][LDB] (hi and lo tiles for bf16 operands). A chunk runs in `phases()` phases, each reading
+// one slot: phase 0 kg, Aqk (and its lo tile for bf16 operands) and gamma; then qg and w together in one phase, or,
+// where one [64][KP] tile takes 512 bytes a row or more, qg and w in a phase each (smaller slots). A slot is
+// copied ring - 1 phases ahead (ring 1: no prefetch). Tiles take 64 rows whatever the chunk, so the size depends on
+// neither the chunk nor the device.
+struct BwdScanLayout {
+  int elem_bytes = 2, KP = 128, BV = 64;
+  constexpr int groups() const { return BV >= 64 ? 4 : 2; }
+  constexpr int threads() const { return 128 * groups(); }
+  constexpr int cols_per_warp() const { return BV / groups(); }
+  constexpr int pad() const { return elem_bytes == 4 ? 4 : 8; }  // conflict-free fragment loads (cols + pad)
+  constexpr int ldk() const { return KP + pad(); }
+  constexpr int ldb() const { return BV + pad(); }
+  constexpr int lda() const { return kBwdMaxChunk + pad(); }
+  constexpr bool split() const { return elem_bytes == 2; }  // Aqk's lo tile; dS as hi + lo bf16 tiles
+  constexpr int phases() const { return elem_bytes * KP >= 512 ? 3 : 2; }
+  constexpr std::size_t tile_bytes() const { return std::size_t(elem_bytes) * kBwdMaxChunk * ldk(); }
+  constexpr std::size_t first_bytes() const {  // beside kg: Aqk (and lo), gamma
+    return std::size_t(elem_bytes) * (split() ? 2 : 1) * kBwdMaxChunk * lda() + sizeof(float) * KP;
+  }
+  constexpr std::size_t slot_bytes() const {
+    const std::size_t second = phases() == 2 ? tile_bytes() : 0;  // w beside qg
+    return (tile_bytes() + (first_bytes() > second ? first_bytes() : second) + 15) & ~std::size_t(15);
+  }
+  constexpr std::size_t fixed_bytes() const {
+    return std::size_t(elem_bytes) * ldb() * (3 * kBwdMaxChunk + (split() ? 2 : 1) * std::size_t(KP));
+  }
+  constexpr std::size_t bytes(int ring) const { return std::size_t(ring) * slot_bytes() + fixed_bytes(); }
+};
+constexpr int kBwdScanMaxRing = 3;  // slots copied two phases ahead: a whole chunk of two phases
+// At KP = 256 the 64-column tile's sixteen warps would need more registers than the 128 a thread that 512 threads get
+// (dS and the update's A fragments grow with KP).
+constexpr int bwd_scan_max_bv(int KP) { return KP > 128 ? 32 : 64; }
+
+constexpr std::size_t bwd_scan_smem(int elem_bytes, int KP, int BV, int ring) {
+  return BwdScanLayout{elem_bytes, KP, BV}.bytes(ring);
 }
 
 // The WY pass, per (chunk, v-head): Tm [C][C + 1], the state's 32 columns [KP][32], v_new, dv_new, dbv, dO, v
@@ -52,6 +89,9 @@ struct BackwardSmem {
   std::size_t scan = 0, wy = 0, grad = 0;
 };
 
-inline BackwardSmem backward_smem(int C, int KP) { return {bwd_scan_smem(C, KP), bwd_wy_smem(C, KP), bwd_grad_smem(C)}; }
+// `scan`: bwd_scan_smem of the planner's scan tile.
+inline BackwardSmem backward_smem(int C, int KP, std::size_t scan) {
+  return {scan, bwd_wy_smem(C, KP), bwd_grad_smem(C)};
+}
 
 }  // namespace kdakit::cuda

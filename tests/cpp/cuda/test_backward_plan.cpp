@@ -124,7 +124,9 @@ TEST(BackwardPlan, TilesAndSlicesCoverOddHeadSizes) {
   for (const auto& kv : std::vector<std::pair<int64_t, int64_t>>{{16, 16}, {60, 100}, {100, 60}, {256, 256}}) {
     const BackwardCase c(1, 300, 2, 4, kv.first, kv.second);
     const BackwardLaunch b = c.launch();
-    EXPECT_EQ(b.vt, (kv.second + 31) / 32);
+    EXPECT_TRUE(b.scan_bv == 16 || b.scan_bv == 32 || b.scan_bv == 64) << b.scan_bv;
+    EXPECT_LE(b.scan_bv, cuda::bwd_scan_max_bv(b.fwd.cfg.KP));
+    EXPECT_EQ(b.vt, (kv.second + b.scan_bv - 1) / b.scan_bv);
     EXPECT_EQ(b.nks, (kv.first + 15) / 16);
     EXPECT_EQ(b.fwd.cfg.KP, kv.first <= 64 ? 64 : (kv.first <= 128 ? 128 : 256));
     expect_workspace_layout(b, c.p, c.plan().pr);
@@ -136,15 +138,39 @@ TEST(BackwardPlan, SharedMemoryFitsAmpereAdaAndHopper) {
     for (const int chunk : {32, 64}) {
       const BackwardCase c(1, 256, 1, 1, 256, 256, dt, chunk);
       const BackwardLaunch b = c.launch(kH200);
-      EXPECT_EQ(b.smem.scan, cuda::bwd_scan_smem(chunk, 256));
+      const int esz = dt == DType::kBFloat16 ? 2 : 4;
+      EXPECT_EQ(b.smem.scan, cuda::bwd_scan_smem(esz, 256, b.scan_bv, b.scan_ring));
+      EXPECT_GE(b.scan_ring, 2) << "Hopper prefetches the scan's tiles";
       EXPECT_EQ(b.smem.wy, cuda::bwd_wy_smem(chunk, 256));
       EXPECT_EQ(b.smem.grad, cuda::bwd_grad_smem(chunk));
-      for (const std::size_t s : {b.smem.scan, b.smem.wy, b.smem.grad}) EXPECT_LE(s, kAda.smem_optin);
+      EXPECT_LE(b.smem.scan, kH200.smem_optin);
+      for (const std::size_t s : {b.smem.wy, b.smem.grad}) EXPECT_LE(s, kAda.smem_optin);
     }
   }
-  // bf16 K = 128 on Ada (99 KB), float32 K = 128 on an A100 (163 KB): the forward's kernels fit there too.
-  EXPECT_NO_THROW(BackwardCase(1, 256, 1, 1, 128, 128).launch(kAda));
-  EXPECT_NO_THROW(BackwardCase(1, 256, 1, 1, 128, 128, DType::kFloat32).launch(kA100));
+  // The scan's tile narrows (or stops prefetching) to fit smaller GPUs: wherever the forward fits, the backward does.
+  for (const DeviceInfo& dev : {kH200, kA100, kAda}) {
+    for (const int64_t K : {64, 128, 256}) {
+      for (const DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+        const BackwardCase c(1, 256, 1, 1, K, K, dt);
+        try {
+          cuda::plan_forward_launch(cuda::backward_forward_params(c.p), c.plan(), dev, Tuning());
+        } catch (const CudaError&) {
+          continue;
+        }
+        BackwardLaunch b;
+        EXPECT_NO_THROW(b = c.launch(dev)) << "K = " << K << " " << dtype_name(dt);
+        EXPECT_LE(b.smem.scan, dev.smem_optin) << "K = " << K << " " << dtype_name(dt);
+      }
+    }
+  }
+  // bf16 K = 128 on Ada (99 KB), float32 K = 128 on an A100 (163 KB): the forward's kernels fit there too, and the
+  // scan keeps its prefetch.
+  EXPECT_GE(BackwardCase(1, 256, 1, 1, 128, 128).launch(kAda).scan_ring, 2);
+  EXPECT_GE(BackwardCase(1, 256, 1, 1, 128, 128, DType::kFloat32).launch(kA100).scan_ring, 2);
+  // bf16 K = 128 on Hopper: 64-column tiles with the deepest ring.
+  const BackwardLaunch h = BackwardCase(1, 256, 1, 1, 128, 128).launch(kH200);
+  EXPECT_EQ(h.scan_bv, 64);
+  EXPECT_EQ(h.scan_ring, cuda::kBwdScanMaxRing);
 }
 
 TEST(BackwardPlan, TooLittleSharedMemoryIsACudaError) {
