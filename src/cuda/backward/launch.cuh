@@ -54,8 +54,7 @@ void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream
     check_launch("backward_grad_kernel");
   }
   if (bl.rows > 0) {
-    backward_tokens_kernel<InT><<<static_cast<unsigned>(bl.rows), kBwdThreads, kBwdRowGroups * sizeof(float),
-                                   stream>>>(a);
+    backward_tokens_kernel<InT><<<static_cast<unsigned>(bl.rows), kBwdThreads, 0, stream>>>(a);
     check_launch("backward_tokens_kernel");
   }
   if (a.dA_log.present() || a.ddt_bias.present()) {

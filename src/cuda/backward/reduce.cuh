@@ -1,7 +1,8 @@
 // The backward's reductions (stage 5 of src/cpu/backward_chunked.cpp), each in a fixed order: per token row, dq and
 // dk summed over each GVA group's v-heads in order and then through the L2 norm's backward, and beta's gradient from
-// its parts through the beta activation (the padded token tail of a varlen batch gets zeros everywhere); per v-head,
-// dA_log and ddt_bias summed over the chunks in order.
+// its parts through the beta activation (the padded token tail of a varlen batch gets zeros everywhere), a warp per q/k
+// head; per v-head, ddt_bias summed over the chunks in order and dA_log over the (chunk, slice) parts in a fixed
+// order (strided shares, then the block sum).
 #pragma once
 
 #include "cuda/backward/common.cuh"
@@ -10,8 +11,6 @@ namespace kdakit::cuda {
 
 template <typename InT>
 __global__ void __launch_bounds__(kBwdThreads) backward_tokens_kernel(const BackwardArgs a) {
-  extern __shared__ __align__(16) float smem[];
-  float* red = smem;  // [kBwdRowGroups] block_sum scratch
   const int64_t row = blockIdx.x, b = row / a.T, t = row % a.T;
   const int K = a.K, V = a.V, tid = threadIdx.x;
   const bool tail = a.cu_seqlens.present() && t >= a.cu_seqlens.load_int(int64_t(a.N) * a.cu_stride);
@@ -29,29 +28,59 @@ __global__ void __launch_bounds__(kBwdThreads) backward_tokens_kernel(const Back
     }
     return;
   }
-  const int d = tid;  // K <= 256 = kBwdThreads
-  const bool in = d < K;
-  for (int h = 0; h < a.H; ++h) {
-    float gq = 0.f, gk = 0.f;
-    if (in) {
-      for (int hv = h * a.group; hv < (h + 1) * a.group; ++hv) {
-        gq += a.ws_dq[(row * a.HV + hv) * K + d];
-        gk += a.ws_dk[(row * a.HV + hv) * K + d];
+  // A warp per q/k head: its K <= 256 keys as 8 per lane, the norms' sums by warp butterflies (a fixed order).
+  constexpr int PER = 256 / 32;
+  const int lane = tid & 31;
+  for (int h = tid >> 5; h < a.H; h += kBwdRowGroups) {
+    float gq[PER], gk[PER], yq[PER], yk[PER];
+    const int64_t qo = a.q.offset(b, t, h), ko = a.k.offset(b, t, h);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int d = lane + 32 * j;
+      gq[j] = gk[j] = yq[j] = yk[j] = 0.f;
+      if (d < K) {
+        for (int hv = h * a.group; hv < (h + 1) * a.group; ++hv) {
+          gq[j] += a.ws_dq[(row * a.HV + hv) * K + d];
+          gk[j] += a.ws_dk[(row * a.HV + hv) * K + d];
+        }
+        if (a.l2norm) {
+          yq[j] = token_at<InT>(a.q, qo, d);
+          yk[j] = token_at<InT>(a.k, ko, d);
+        }
       }
     }
     if (a.l2norm) {
-      const float q = in ? token_at<InT>(a.q, a.q.offset(b, t, h), d) : 0.f;
-      const float k = in ? token_at<InT>(a.k, a.k.offset(b, t, h), d) : 0.f;
+      float sq = 0.f, sk = 0.f;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        sq += yq[j] * yq[j];
+        sk += yk[j] * yk[j];
+      }
       const float eps = static_cast<float>(math::kL2NormEps);
-      const float rq = 1.f / sqrtf(block_sum(q * q, red) + eps), rk = 1.f / sqrtf(block_sum(k * k, red) + eps);
-      const float yq = q * rq, yk = k * rk;
-      const float dot_q = block_sum(gq * yq, red), dot_k = block_sum(gk * yk, red);
-      gq = (gq - dot_q * yq) * rq;
-      gk = (gk - dot_k * yk) * rk;
+      const float rq = 1.f / sqrtf(warp_sum(sq) + eps), rk = 1.f / sqrtf(warp_sum(sk) + eps);
+      float dot_q = 0.f, dot_k = 0.f;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        yq[j] *= rq;
+        yk[j] *= rk;
+        dot_q += gq[j] * yq[j];
+        dot_k += gk[j] * yk[j];
+      }
+      dot_q = warp_sum(dot_q);
+      dot_k = warp_sum(dot_k);
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        gq[j] = (gq[j] - dot_q * yq[j]) * rq;
+        gk[j] = (gk[j] - dot_k * yk[j]) * rk;
+      }
     }
-    if (in) {
-      a.dq.store(a.dq.offset(b, t, h) + d, gq);
-      a.dk.store(a.dk.offset(b, t, h) + d, gk);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int d = lane + 32 * j;
+      if (d < K) {
+        a.dq.store(a.dq.offset(b, t, h) + d, gq[j]);
+        a.dk.store(a.dk.offset(b, t, h) + d, gk[j]);
+      }
     }
   }
   for (int hv = tid; hv < a.HV; hv += kBwdThreads) {
@@ -75,12 +104,13 @@ __global__ void __launch_bounds__(kBwdThreads) backward_params_kernel(const Back
       a.ddt_bias.store(int64_t(hv) * K + d, acc);
     }
   }
-  if (a.dA_log.present() && tid == 0) {
+  if (a.dA_log.present()) {  // every thread its strided share of the (chunk, slice) parts, then the block sum
+    __shared__ float red[kBwdRowGroups];
     float acc = 0.f;
-    for (int64_t s = 0; s < slots; ++s) {
-      for (int ks = 0; ks < a.nks; ++ks) acc += a.ws_dA[a.tile(s, hv) * a.nks + ks];
-    }
-    a.dA_log.store(hv, acc);
+    const int64_t parts = slots * a.nks;
+    for (int64_t e = tid; e < parts; e += kBwdThreads) acc += a.ws_dA[a.tile(e / a.nks, hv) * a.nks + e % a.nks];
+    acc = block_sum(acc, red);
+    if (tid == 0) a.dA_log.store(hv, acc);
   }
 }
 
