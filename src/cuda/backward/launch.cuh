@@ -27,7 +27,7 @@ void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream
     check_launch("backward_scan_kernel");
   }
   if (bl.slots > 0) {
-    auto wy = backward_wy_kernel<InT, Elem>;
+    auto wy = a.chunk == 32 ? backward_wy_kernel<InT, Elem, 32> : backward_wy_kernel<InT, Elem, 64>;
     set_dynamic_smem(reinterpret_cast<const void*>(wy), bl.smem.wy);
     wy<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV)), kBwdThreads, bl.smem.wy, stream>>>(a);
     check_launch("backward_wy_kernel");
