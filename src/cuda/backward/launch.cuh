@@ -44,7 +44,7 @@ void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream
   using Elem = typename std::conditional<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16, float>::type;
   if (a.N > 0) launch_backward_scan<Elem>(a, bl, stream);
   if (bl.slots > 0) {
-    auto wy = backward_wy_kernel<InT, Elem>;
+    auto wy = a.chunk == 32 ? backward_wy_kernel<InT, Elem, 32> : backward_wy_kernel<InT, Elem, 64>;
     set_dynamic_smem(reinterpret_cast<const void*>(wy), bl.smem.wy);
     wy<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV)), kBwdThreads, bl.smem.wy, stream>>>(a);
     check_launch("backward_wy_kernel");

@@ -2,9 +2,9 @@
 // forward's kernels, with the forward's layouts): the kernels carve their shared memory by them and the planner
 // (backward/plan.cpp) sizes the launches by them. Plain C++ (host and device).
 //
-// The reverse state scan runs on tensor cores (src/cuda/common/sm80/mma.cuh) with its own tiles (BwdScanLayout). The
-// WY pass and the gradient kernel run on CUDA cores in fp32, a tile of 32 value columns at a time (one per lane; eight
-// warps of row groups): their correctness-first form, whose products the tensor-core tiles are to take over.
+// The reverse state scan (with its own tiles, BwdScanLayout), the WY pass and the gradient kernel's products with the
+// states run on tensor cores (src/cuda/common/sm80/mma.cuh); the gradient kernel's intra-chunk products and the
+// reductions run on CUDA cores in fp32.
 #pragma once
 
 #include <cstddef>
@@ -61,10 +61,29 @@ constexpr std::size_t bwd_scan_smem(int elem_bytes, int KP, int BV, int ring) {
   return BwdScanLayout{elem_bytes, KP, BV}.bytes(ring);
 }
 
-// The WY pass, per (chunk, v-head): Tm [C][C + 1], the state's 32 columns [KP][32], v_new, dv_new, dbv, dO, v
-// [C][32], beta [C].
-constexpr std::size_t bwd_wy_smem(int C, int KP) {
-  return sizeof(float) * (std::size_t(C) * (C + 1) + std::size_t(KP + 5 * C) * kBwdLd + C);
+// The WY pass, per (chunk, v-head), in two phases over one shared-memory union; independent of K (the keys stream).
+// Phase 0, v_new = u - w h_c, in passes of kWyPassCols value columns over steps of kWyKRows keys, three stages of: the
+// state's rows [kWyKRows][kWyLdS] (fp32) and w's columns [C][kWyLdW] (sized for float). Phase 1, over tiles of
+// kWyCols value columns, three stages of: v_new [C][kWyLdRow] and dv_new [C][kWyLdKN] (fp32), dO [C][kWyLdRow] (fp32,
+// or bf16 in the same rows), v [C][kWyLdRow] (sized for 4-byte elements). Then Tm [C][C + 4], dbv [C][kWyLdRow], beta
+// [C], the row sums of a second column group [C] and the token offsets of the rows of dO, v and dv [3][C] (int64).
+// The strides keep fragment reads free of bank conflicts: kWyLdS, kWyLdKN and C + 4 are 4 mod 16 (pairs down a
+// column); kWyLdRow and kWyLdW are 8 mod 16 (float2 and ldmatrix rows).
+constexpr int kWyCols = 16, kWyPassCols = 64, kWyKRows = 32;
+constexpr int kWyLdKN = kWyCols + 4, kWyLdRow = kWyCols + 8, kWyLdS = kWyPassCols + 4, kWyLdW = kWyKRows + 8;
+constexpr int kWyStages0 = 3, kWyStages1 = 3;
+constexpr std::size_t bwd_wy_stage0_floats(int C) {
+  return std::size_t(kWyKRows) * kWyLdS + std::size_t(C) * kWyLdW;
+}
+constexpr std::size_t bwd_wy_stage1_floats(int C) { return std::size_t(C) * (3 * kWyLdRow + kWyLdKN); }
+constexpr std::size_t bwd_wy_union_floats(int C) {
+  return kWyStages0 * bwd_wy_stage0_floats(C) > kWyStages1 * bwd_wy_stage1_floats(C)
+             ? kWyStages0 * bwd_wy_stage0_floats(C)
+             : kWyStages1 * bwd_wy_stage1_floats(C);
+}
+constexpr std::size_t bwd_wy_smem(int C, int /*KP*/) {
+  return sizeof(float) * (bwd_wy_union_floats(C) + std::size_t(C) * (C + 4) + std::size_t(C) * kWyLdRow +
+                          8 * std::size_t(C));
 }
 
 // The gradient pass, per (chunk, v-head, 16 keys): the slice's q, k, gates, exp(lam), exp(rho), exp(sigma),
