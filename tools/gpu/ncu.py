@@ -5,7 +5,8 @@
 
 case: one call of kdakit on the benchmark rows whose names contain the argument (forward rows as in
 kdakit.bench.FORWARD_SHAPES, decode rows as in kdakit.bench_decode.decode_cases(), of the batch-vfirst form unless the
-argument names a form): the workload the ncu runs profile.
+argument names a form; training rows, one forward + backward step, as in kdakit.bench_train.TRAIN_SHAPES): the
+workload the ncu runs profile.
 
 lines: sums Nsight Compute's per-SASS-instruction metrics (instructions executed, warp stall samples) by CUDA source
 line, from `ncu -i REP --page source --csv --print-source cuda,sass`, and prints the hottest lines (needs neither
@@ -19,9 +20,14 @@ import sys
 def case(row):
     import torch
 
-    from kdakit import bench, bench_decode
+    from kdakit import bench, bench_decode, bench_peers, bench_train
 
     ran = 0
+    for name, B, T, H, HV, lens in bench_train.TRAIN_SHAPES:
+        if row in name:
+            x, _ = bench.forward_inputs(B, T, H, HV, lens)
+            bench_peers.kdakit_train_step(x)()
+            ran += 1
     with torch.inference_mode():
         for name, B, T, H, HV, lens in bench.FORWARD_SHAPES:
             if row in name:

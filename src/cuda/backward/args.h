@@ -38,8 +38,8 @@ struct BackwardArgs : KdaArgs {
 
   // The backward's own workspace (backward/plan.h has the shapes).
   float *ws_dh = nullptr, *ws_dvnew = nullptr, *ws_vnew = nullptr, *ws_dbv = nullptr, *ws_dP = nullptr,
-        *ws_dL = nullptr, *ws_dq = nullptr, *ws_dk = nullptr, *ws_dbeta = nullptr, *ws_dA = nullptr,
-        *ws_ddt = nullptr;
+        *ws_dL = nullptr, *ws_dq = nullptr, *ws_dk = nullptr, *ws_dkg = nullptr, *ws_dgam = nullptr,
+        *ws_dbeta = nullptr, *ws_dA = nullptr, *ws_ddt = nullptr;
 
   // Chunk slot s's tile index (s, hv) of the [slot][HV] workspace parts.
   __host__ __device__ __forceinline__ int64_t tile(int64_t slot, int hv) const { return slot * HV + hv; }

@@ -1,31 +1,29 @@
 // The backward's gradient kernel (the key side of src/cpu/chunk_gradients.cpp and the activations' chains), one CTA
 // per (chunk, v-head): the rows' facts once (beta, the L2 norms, the diagonal blocks' algorithm), then 16-key slices
-// in turn: the slice's q, k (L2-normalised over all K) and gates with their sub-chunk sums; the
-// products with the states dqg = scale dO S^T, dkbg = -dbv S^T, dkg = v_new dH^T (mma.sync, fp32 operands split
-// hi + lo) and rowsum(S dH), over 32-column value tiles; the intra-chunk products through dP and dL (intra_sm80.cuh),
-// from the slice's anchored exponentials, taken once per (row, key); then per (row, key) dq, dk of this v-head
-// (to the workspace: the GVA sum and the L2 norm's backward come after), beta's key-side part, the gate gradient
-// summed as the CPU sums it, and the gate's chain to the raw input with per-chunk partial sums of dA_log and ddt_bias.
+// in turn: the slice's q, k (L2-normalised over all K) and gates with their sub-chunk sums; its products with the
+// states (dqg, dkbg, dkg and rowsum(S dH), from state_products_sm80.cuh); the intra-chunk products through dP and dL
+// (intra_sm80.cuh), from the slice's anchored exponentials, taken once per (row, key); then per (row, key) dq, dk of
+// this v-head (to the workspace: the GVA sum and the L2 norm's backward come after), beta's key-side part, the gate
+// gradient summed as the CPU sums it, and the gate's chain to the raw input with per-chunk partial sums of dA_log and
+// ddt_bias.
 #pragma once
 
 #include "cuda/backward/intra_sm80.cuh"
-#include "cuda/common/sm80/mma.cuh"
 
 namespace kdakit::cuda {
 
 template <typename InT>
 __global__ void __launch_bounds__(kBwdThreads) backward_grad_kernel(const BackwardArgs a) {
-  constexpr int LD = kBwdLdv, LDK = kBwdLdk, KS = kBwdKSlice;
+  constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
   const int64_t slot = blockIdx.x;
   const int hv = blockIdx.y;
   ChunkOf ch;
   if (!chunk_of(a, slot, ch)) return;
-  const int C = a.chunk, K = a.K, V = a.V, nrows = ch.nrows, NSUB = (nrows + 15) / 16;
+  const int C = a.chunk, K = a.K, nrows = ch.nrows, NSUB = (nrows + 15) / 16;
   const int h = hv / a.group, tid = threadIdx.x;
-  const int64_t tile = a.tile(slot, hv), t_v = tile * C * V;
+  const int64_t tile = a.tile(slot, hv);
   const float* dP = a.ws_dP + tile * C * C;
   const float* dL = a.ws_dL + tile * C * C;
-  const bool varlen = a.cu_seqlens.present();
 
   extern __shared__ __align__(16) float smem[];
   GradSlice s;
@@ -34,8 +32,8 @@ __global__ void __launch_bounds__(kBwdThreads) backward_grad_kernel(const Backwa
     auto take = [&p](int n) { float* r = p; p += n; return r; };
     const int tl = C * LDK;
     s.q = take(tl); s.k = take(tl); s.g = take(tl); s.el = take(tl); s.er = take(tl); s.es = take(tl);
-    s.ies = take(tl); s.dqg = take(tl); s.dkbg = take(tl); s.dkg = take(tl); s.dG = take(tl); s.kgt = take(tl);
-    float* uni = take(static_cast<int>(bwd_grad_union(C)));
+    s.ies = take(tl); s.xq = take(tl); s.xb = take(tl); s.ker = take(tl); s.dG = take(tl); s.kgt = take(tl);
+    float* uni = take(static_cast<int>(bwd_grad_intra(C)));
     s.dqr = uni; s.dkr = uni + tl; s.dkc = uni + 2 * tl; s.arow = uni + 3 * tl; s.bcol = uni + 4 * tl;
     s.dgp = uni + 5 * tl; s.cpart = uni + 6 * tl; s.wc = uni + 7 * tl;
     s.beta = take(C); s.rq = take(C); s.rk = take(C);
@@ -43,12 +41,6 @@ __global__ void __launch_bounds__(kBwdThreads) backward_grad_kernel(const Backwa
     s.maxexp = reinterpret_cast<int*>(take(4));
     s.red = take(kBwdRowGroups);
   }
-  // The value tiles, over the intra products' bytes.
-  float* sdO = s.dqr;               // [C][LD]
-  float* sdbv = sdO + C * LD;       // [C][LD]
-  float* svn = sdbv + C * LD;       // [C][LD]
-  float* sS = svn + C * LD;         // [KS][LD]
-  float* sdH = sS + KS * LD;        // [KS][LD]
 
   // Rows: beta, the L2 norms (4 threads a row, over all K); the diagonal blocks' algorithm, from the largest anchor
   // exponent over all keys (as the CPU decides it).
@@ -142,51 +134,14 @@ __global__ void __launch_bounds__(kBwdThreads) backward_grad_kernel(const Backwa
       s.gam[tid] = expf(t);
     }
 
-    // Products with the states over the value tiles, on tensor cores: warp w takes rows 16 (w % 4).. and keys
-    // 8 (w / 4).. of the slice (A = dO, dbv, v_new [rows][cols]; B = S, dH stored [keys][cols]).
-    const int warp = tid >> 5, mt = warp & 3, nt = warp >> 2;
-    const bool rows_here = 16 * mt < C;
-    FragC aq[1][1], ab[1][1], ak[1][1];
-    aq[0][0].zero();
-    ab[0][0].zero();
-    ak[0][0].zero();
-    float dgam = 0.f;
-    const int64_t hblk = a.h.block(varlen, ch.b, ch.ci, slot, hv);
-    const int VT = (V + kBwdCols - 1) / kBwdCols;
-    for (int vt = 0; vt < VT; ++vt) {
-      for (int e = tid; e < C * kBwdCols; e += kBwdThreads) {
-        const int i = e / kBwdCols, c = e % kBwdCols, col = vt * kBwdCols + c;
-        const bool in = i < nrows && col < V;
-        sdO[i * LD + c] = in ? a.d_out.load(a.d_out.offset(ch.b, ch.row0 + i, hv) + col) : 0.f;
-        sdbv[i * LD + c] = in ? a.ws_dbv[t_v + int64_t(i) * V + col] : 0.f;
-        svn[i * LD + c] = in ? a.ws_vnew[t_v + int64_t(i) * V + col] : 0.f;
-      }
-      for (int e = tid; e < KS * kBwdCols; e += kBwdThreads) {
-        const int dl = e / kBwdCols, c = e % kBwdCols, d = d0 + dl, col = vt * kBwdCols + c;
-        const bool in = d < K && col < V;
-        sS[dl * LD + c] = in ? a.h.load(hblk + (a.vk ? int64_t(col) * K + d : int64_t(d) * V + col)) : 0.f;
-        sdH[dl * LD + c] = in ? a.ws_dh[(tile * K + d) * V + col] : 0.f;
-      }
-      __syncthreads();
-      if (rows_here) {
-        warp_gemm<float, 1, 1, false, false>(aq, sdO, LD, 16 * mt, sS, LD, 8 * nt, 0, kBwdCols / 16);
-        warp_gemm<float, 1, 1, false, false>(ab, sdbv, LD, 16 * mt, sS, LD, 8 * nt, 0, kBwdCols / 16);
-        warp_gemm<float, 1, 1, false, false>(ak, svn, LD, 16 * mt, sdH, LD, 8 * nt, 0, kBwdCols / 16);
-      }
-      if (tid < KS) {
-        for (int c = 0; c < kBwdCols; ++c) dgam += sS[tid * LD + c] * sdH[tid * LD + c];
-      }
-      __syncthreads();
+    // The products' factors of the anchored rows and columns: q e^lam, beta k e^lam, k e^rho.
+    for (int e = tid; e < C * KS; e += kBwdThreads) {
+      const int x = (e / KS) * LDK + e % KS;
+      s.xq[x] = s.q[x] * s.el[x];
+      s.xb[x] = s.beta[e / KS] * s.k[x] * s.el[x];
+      s.ker[x] = s.k[x] * s.er[x];
     }
-    if (rows_here) {
-      for_each_acc<1, 1>([&](int, int, int e, int row, int col) {
-        const int i = 16 * mt + row, dl = 8 * nt + col;
-        s.dqg[i * LDK + dl] = a.scale * aq[0][0].x[e];
-        s.dkbg[i * LDK + dl] = -ab[0][0].x[e];
-        s.dkg[i * LDK + dl] = ak[0][0].x[e];
-      });
-    }
-    if (tid < KS) s.dgam[tid] = dgam;
+    if (tid < KS) s.dgam[tid] = d0 + tid < K ? a.ws_dgam[tile * K + d0 + tid] : 0.f;  // rowsum(S dH)
     __syncthreads();
 
     intra_products(s, dP, dL, C, nrows, NSUB);
@@ -202,19 +157,22 @@ __global__ void __launch_bounds__(kBwdThreads) backward_grad_kernel(const Backwa
         const int x = r * LDK + dl;
         const float eg = s.el[x] * before, egl = s.er[x] * after;
         const float kd = s.k[x], qd = s.q[x], bt = s.beta[r], pd = dP[r * C + r];
-        db = kd * s.dkr[x] + s.dkbg[x] * kd * eg;
-        const float dk_kg = egl * s.dkg[x], dq_g = eg * s.dqg[x], dk_g = bt * eg * s.dkbg[x];
+        // The products with the states (backward_state_products_kernel): dqg and dkbg in the dq and dk parts, which
+        // this element's results overwrite, and dkg.
+        const int64_t o = (a.row(ch.b, ch.row0 + r) * a.HV + hv) * K + d;
+        const float dqg = d < K ? a.ws_dq[o] : 0.f, dkbg = d < K ? a.ws_dk[o] : 0.f, dkg = d < K ? a.ws_dkg[o] : 0.f;
+        db = kd * s.dkr[x] + dkbg * kd * eg;
+        const float dk_kg = egl * dkg, dq_g = eg * dqg, dk_g = bt * eg * dkbg;
         const float dq = s.dqr[x] + dq_g + pd * kd;
         const float dk = dk_g + bt * s.dkr[x] + s.dkc[x] + pd * qd + dk_kg;
         s.dG[x] = qd * dq_g + kd * dk_g;
         s.kgt[x] = kd * dk_kg;
         if (d < K) {
-          const int64_t o = (a.row(ch.b, ch.row0 + r) * a.HV + hv) * K + d;
           a.ws_dq[o] = dq;
           a.ws_dk[o] = dk;
         }
       }
-  #pragma unroll
+#pragma unroll
       for (int o = KS / 2; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
       if (dl == 0 && r < nrows) a.ws_dbeta[(a.row(ch.b, ch.row0 + r) * a.HV + hv) * (1 + a.nks) + 1 + ks] = db;
     }

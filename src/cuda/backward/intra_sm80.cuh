@@ -15,7 +15,7 @@ namespace kdakit::cuda {
 struct GradSlice {
   float *q, *k, *g;                    // normalised q, k; gates (natural log)
   float *el, *er, *es, *ies;           // exp(lam), exp(rho), exp(sigma), exp(-sigma) (the sub-chunk sums)
-  float *dqg, *dkbg, *dkg;             // the products with the states
+  float *xq, *xb, *ker;                // q exp(lam), beta k exp(lam), k exp(rho)
   float *dG, *kgt;                     // the gate gradient's chunk-start terms (reverse sum) and kg terms (forward)
   float *dqr, *dkr, *dkc, *arow, *bcol, *dgp;  // intra-chunk products (over the value tiles' bytes)
   float* cpart;                        // a column's pairs within its diagonal block, k_j times their sum
@@ -51,7 +51,7 @@ __device__ __forceinline__ void intra_products(const GradSlice& s, const float* 
     for (int b = blk - 1; b >= 0; --b) {
       float pq = 0.f, pk = 0.f;
       for (int j = 16 * b; j < 16 * b + 16; ++j) {
-        const float opb = at(s.k, j, dl) * at(s.er, j, dl);
+        const float opb = at(s.ker, j, dl);
         pq += dP[i * C + j] * opb;
         pk += dL[i * C + j] * opb;
       }
@@ -95,8 +95,7 @@ __device__ __forceinline__ void intra_products(const GradSlice& s, const float* 
       const int r0 = 16 * r, r1 = min(nrows, r0 + 16);
       float part = 0.f;
       for (int ii = r0; ii < r1; ++ii) {
-        part += (dP[ii * C + j] * at(s.q, ii, dl) + dL[ii * C + j] * (s.beta[ii] * at(s.k, ii, dl))) *
-                at(s.el, ii, dl);
+        part += dP[ii * C + j] * at(s.xq, ii, dl) + dL[ii * C + j] * at(s.xb, ii, dl);
       }
       acc += emid * part;
       emid *= s.etot[r * KS + dl];

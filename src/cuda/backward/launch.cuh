@@ -1,6 +1,6 @@
 // The launches of the backward's own kernels for one input dtype (instantiated per dtype in backward/instantiations/),
-// after the forward's prepare and state pass (backward/run.cu): the reverse state scan, the WY pass, the gradient
-// kernel and the reductions. bf16 inputs read the forward's bf16 tiles, float16 and float32 inputs its float tiles.
+// after the forward's prepare and state pass (backward/run.cu): the reverse state scan, the WY pass, the products with
+// the states, the gradient kernel and the reductions. bf16 inputs read the forward's bf16 tiles, float16 and float32 inputs its float tiles.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +11,7 @@
 #include "cuda/backward/plan.h"
 #include "cuda/backward/reduce.cuh"
 #include "cuda/backward/scan_sm80.cuh"
+#include "cuda/backward/state_products_sm80.cuh"
 #include "cuda/backward/wy_sm80.cuh"
 #include "cuda/common/static_switch.h"
 #include "cuda/device.h"
@@ -48,6 +49,12 @@ void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream
     set_dynamic_smem(reinterpret_cast<const void*>(wy), bl.smem.wy);
     wy<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV)), kBwdThreads, bl.smem.wy, stream>>>(a);
     check_launch("backward_wy_kernel");
+    auto state = backward_state_products_kernel<InT>;
+    set_dynamic_smem(reinterpret_cast<const void*>(state), bl.smem.state);
+    state<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV),
+                 static_cast<unsigned>((a.K + kBwdStateKeys - 1) / kBwdStateKeys)),
+            kBwdStateThreads, bl.smem.state, stream>>>(a);
+    check_launch("backward_state_products_kernel");
     auto grad = backward_grad_kernel<InT>;
     set_dynamic_smem(reinterpret_cast<const void*>(grad), bl.smem.grad);
     grad<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV)), kBwdThreads, bl.smem.grad, stream>>>(a);

@@ -54,7 +54,7 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
   }
   bp.vt = static_cast<int>((pr.V + bp.scan_bv - 1) / bp.scan_bv);
   bp.smem = backward_smem(C, KP, bwd_scan_smem(esz, KP, bp.scan_bv, bp.scan_ring));
-  const std::size_t need = std::max({bp.smem.scan, bp.smem.wy, bp.smem.grad});
+  const std::size_t need = std::max({bp.smem.scan, bp.smem.wy, bp.smem.state, bp.smem.grad});
   if (need > limit) {
     throw CudaError("kdakit: the CUDA backward's kernels need " + std::to_string(need) +
                     " bytes of shared memory per block with K = " + std::to_string(pr.K) + " (chunk_size " +
@@ -81,6 +81,8 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
   bp.off_dL = off;    off = align(off + tiles * C * C * f);
   bp.off_dq = off;    off = align(off + rows * K * f);
   bp.off_dk = off;    off = align(off + rows * K * f);
+  bp.off_dkg = off;   off = align(off + rows * K * f);
+  bp.off_dgam = off;  off = align(off + tiles * K * f);
   bp.off_dbeta = off; off = align(off + rows * (1 + bp.nks) * f);
   bp.off_dA = off;    off = align(off + tiles * bp.nks * f);
   bp.off_ddt = off;   off = align(off + tiles * K * f);

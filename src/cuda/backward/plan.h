@@ -34,11 +34,14 @@ struct BackwardLaunch {
   //   dh [slot][HV][K][V] f32         gradient of every chunk's end state (the reverse scan)
   //   dvnew, vnew, dbv [slot][HV][C][V] f32
   //   dP, dL [slot][HV][C][C] f32
-  //   dq, dk [row][HV][K] f32         per-v-head q/k gradients, before the GVA sum and the L2 norm's backward
+  //   dq, dk [row][HV][K] f32         per-v-head q/k gradients, before the GVA sum and the L2 norm's backward (first
+  //                                   their state parts, dqg and dkbg, from the state products)
+  //   dkg [row][HV][K] f32            the state products' dkg = v_new dH^T
+  //   dgam [slot][HV][K] f32          rowsum(S dH), the state decay's part of the gate gradient
   //   dbeta [row][HV][1 + nks] f32    beta's gradient in parts (the value side, then each key slice)
   //   dA [slot][HV][nks] f32, ddt [slot][HV][K] f32   per-chunk partial sums of dA_log and ddt_bias
   std::size_t off_tm = 0, off_out = 0, off_h = 0, off_dh = 0, off_dvnew = 0, off_vnew = 0, off_dbv = 0, off_dP = 0,
-              off_dL = 0, off_dq = 0, off_dk = 0, off_dbeta = 0, off_dA = 0, off_ddt = 0;
+              off_dL = 0, off_dq = 0, off_dk = 0, off_dkg = 0, off_dgam = 0, off_dbeta = 0, off_dA = 0, off_ddt = 0;
   std::size_t total = 0;
 };
 

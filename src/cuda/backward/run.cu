@@ -108,6 +108,8 @@ void backward(const BackwardParams& p, const detail::Plan& plan, const BackwardL
   a.ws_dL = f32(bl.off_dL);
   a.ws_dq = f32(bl.off_dq);
   a.ws_dk = f32(bl.off_dk);
+  a.ws_dkg = f32(bl.off_dkg);
+  a.ws_dgam = f32(bl.off_dgam);
   a.ws_dbeta = f32(bl.off_dbeta);
   a.ws_dA = f32(bl.off_dA);
   a.ws_ddt = f32(bl.off_ddt);

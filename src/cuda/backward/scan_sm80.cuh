@@ -65,6 +65,7 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
   Elem* sDv = sdO + 2 * kBwdMaxChunk * LDB;                      // [64][LDB]: -dv_new
   Elem* sS = sDv + kBwdMaxChunk * LDB;                           // [KP][LDB]: dS (its hi part if SPLIT)
   Elem* sSlo = sS + KP * LDB;                                    // [KP][LDB]: dS's lo part (SPLIT)
+  Elem* sDvlo = sSlo + KP * LDB;                                 // [64][LDB]: -dv_new's lo part (SPLIT)
 
   // Stage slot of phase h: t0 = kg (phase 0), qg or w; t1 = w beside qg (two phases); Aqk, its lo tile and gamma
   // beside kg.
@@ -232,7 +233,14 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
         if ((e & 1) == 0) {
           const int r = 16 * w4 + row;
           const float x0 = r < nrows ? dv[0][nt].x[e] : 0.f, x1 = r < nrows ? dv[0][nt].x[e + 1] : 0.f;
-          Op::store2(sDv + r * LDB + cb + col, -x0, -x1);
+          if constexpr (SPLIT) {
+            uint32_t hi, lo;
+            split_pack(-x0, -x1, hi, lo);
+            *reinterpret_cast<uint32_t*>(sDv + r * LDB + cb + col) = hi;
+            *reinterpret_cast<uint32_t*>(sDvlo + r * LDB + cb + col) = lo;
+          } else {
+            Op::store2(sDv + r * LDB + cb + col, -x0, -x1);
+          }
           store_pair(dvn + int64_t(r) * V, v0 + col, x0, x1);
         }
       });
@@ -242,7 +250,8 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
     s = begin_phase(h0 + 1);
     warp_gemm<Elem, MT, NTV, true, true>(dS, s.t0, LDK, w4 * ROWS, dO, LDB, 0, 0, C / 16);
     if constexpr (P == 3) s = begin_phase(h0 + 2);
-    warp_gemm<Elem, MT, NTV, true, true>(dS, P == 2 ? s.t1 : s.t0, LDK, w4 * ROWS, sDv + cb, LDB, 0, 0, C / 16);
+    warp_gemm<Elem, MT, NTV, true, true, SPLIT>(dS, P == 2 ? s.t1 : s.t0, LDK, w4 * ROWS, sDv + cb, LDB, 0, 0, C / 16,
+                                                NP, sDvlo + cb);
     // Chunk ci + 1 read the other dO buffer up to its phase 1, before the barrier that began this chunk.
     if (ci > 0) store_dO(ci - 1);
   }

@@ -23,11 +23,11 @@ constexpr int kBwdMaxChunk = 64;
 // bf16, 4: float, split into hi + lo in the products). Warps: four row groups (16 chunk rows of dv_new, KP / 4 rows of
 // dS each) times two column groups, four from BV = 64 on (the forward's recurrence_kernel shape).
 // Shared memory: a ring of `ring` stage slots, then dO [2][64][LDB] (this chunk's and the next one's), -dv_new
-// [64][LDB] and dS [KP][LDB] (hi and lo tiles for bf16 operands). A chunk runs in `phases()` phases, each reading
-// one slot: phase 0 kg, Aqk (and its lo tile for bf16 operands) and gamma; then qg and w together in one phase, or,
-// where one [64][KP] tile takes 512 bytes a row or more, qg and w in a phase each (smaller slots). A slot is
-// copied ring - 1 phases ahead (ring 1: no prefetch). Tiles take 64 rows whatever the chunk, so the size depends on
-// neither the chunk nor the device.
+// [64][LDB] and dS [KP][LDB] (hi and lo tiles of both for bf16 operands). A chunk runs in `phases()` phases, each
+// reading one slot: phase 0 kg, Aqk (and its lo tile for bf16 operands) and gamma; then qg and w together in one
+// phase, or, where one [64][KP] tile takes 512 bytes a row or more, qg and w in a phase each (smaller slots). A slot
+// is copied ring - 1 phases ahead (ring 1: no prefetch). Tiles take 64 rows whatever the chunk, so the size depends
+// on neither the chunk nor the device.
 struct BwdScanLayout {
   int elem_bytes = 2, KP = 128, BV = 64;
   constexpr int groups() const { return BV >= 64 ? 4 : 2; }
@@ -37,7 +37,7 @@ struct BwdScanLayout {
   constexpr int ldk() const { return KP + pad(); }
   constexpr int ldb() const { return BV + pad(); }
   constexpr int lda() const { return kBwdMaxChunk + pad(); }
-  constexpr bool split() const { return elem_bytes == 2; }  // Aqk's lo tile; dS as hi + lo bf16 tiles
+  constexpr bool split() const { return elem_bytes == 2; }  // Aqk's lo tile; dS and -dv_new as hi + lo bf16 tiles
   constexpr int phases() const { return elem_bytes * KP >= 512 ? 3 : 2; }
   constexpr std::size_t tile_bytes() const { return std::size_t(elem_bytes) * kBwdMaxChunk * ldk(); }
   constexpr std::size_t first_bytes() const {  // beside kg: Aqk (and lo), gamma
@@ -48,7 +48,7 @@ struct BwdScanLayout {
     return (tile_bytes() + (first_bytes() > second ? first_bytes() : second) + 15) & ~std::size_t(15);
   }
   constexpr std::size_t fixed_bytes() const {
-    return std::size_t(elem_bytes) * ldb() * (3 * kBwdMaxChunk + (split() ? 2 : 1) * std::size_t(KP));
+    return std::size_t(elem_bytes) * ldb() * ((split() ? 4 : 3) * kBwdMaxChunk + (split() ? 2 : 1) * std::size_t(KP));
   }
   constexpr std::size_t bytes(int ring) const { return std::size_t(ring) * slot_bytes() + fixed_bytes(); }
 };
@@ -86,31 +86,38 @@ constexpr std::size_t bwd_wy_smem(int C, int /*KP*/) {
                           8 * std::size_t(C));
 }
 
-// The gradient pass, per (chunk, v-head, 16 keys): the slice's q, k, gates, exp(lam), exp(rho), exp(sigma),
-// exp(-sigma), the three state products and the gate gradient's two sums [C][16] each (12 tiles); the union of the
-// value tiles (dO, dbv, v_new [C][32]; S, dH [16][32], rows of kBwdLdv floats: the tensor cores' operands) and the
+// The products with the states (state_products_sm80.cuh), per (chunk, v-head, 32 keys): four warps, a 16-row band of
+// the chunk each; the value tiles dO, dbv, v_new [C][32] and S, dH [32 keys][32] in fp32, rows of kBwdLdv floats (an
+// even stride: the split operands are read as float pairs).
+constexpr int kBwdStateThreads = 128;
+constexpr int kBwdStateKeys = 32;
+constexpr int kBwdLdv = kBwdCols + 8;
+constexpr std::size_t bwd_state_smem(int C) {
+  return sizeof(float) * std::size_t(3 * C + 2 * kBwdStateKeys) * kBwdLdv;
+}
+
+// The gradient pass, per (chunk, v-head), a 16-key slice at a time: the slice's q, k, gates, exp(lam), exp(rho),
+// exp(sigma), exp(-sigma), the products' factors q e^lam, beta k e^lam and k e^rho, and the gate gradient's two sums
+// [C][16] each (12 tiles); the
 // intra-chunk products (dq_row, dk_row, dk_col, a_row, b_col, dgp and the diagonal blocks' column parts [C][16], and
 // the per-(row, earlier block) pair sums [C][3][16]); per row: beta and the two norms; per slice: the sub-chunk totals
 // and their exponentials [4][16] each, gamma and rowsum(S dH); four block flags; the block sum's scratch.
-constexpr int kBwdLdv = kBwdCols + 8;  // row stride of the gradient kernel's [rows][32] operand tiles (float2 reads)
 constexpr int kBwdGradTiles = 12;
-constexpr std::size_t bwd_grad_union(int C) {
-  const std::size_t values = std::size_t(3 * C + 2 * kBwdKSlice) * kBwdLdv;
-  const std::size_t intra = std::size_t(7 * C) * kBwdLdk + std::size_t(C) * 3 * kBwdKSlice;
-  return values > intra ? values : intra;
+constexpr std::size_t bwd_grad_intra(int C) {
+  return std::size_t(7 * C) * kBwdLdk + std::size_t(C) * 3 * kBwdKSlice;
 }
 constexpr std::size_t bwd_grad_smem(int C) {
-  return sizeof(float) * (std::size_t(kBwdGradTiles * C) * kBwdLdk + bwd_grad_union(C) + 3 * std::size_t(C) +
+  return sizeof(float) * (std::size_t(kBwdGradTiles * C) * kBwdLdk + bwd_grad_intra(C) + 3 * std::size_t(C) +
                           10 * kBwdKSlice + 4 + kBwdRowGroups);
 }
 
 struct BackwardSmem {
-  std::size_t scan = 0, wy = 0, grad = 0;
+  std::size_t scan = 0, wy = 0, state = 0, grad = 0;
 };
 
 // `scan`: bwd_scan_smem of the planner's scan tile.
 inline BackwardSmem backward_smem(int C, int KP, std::size_t scan) {
-  return {scan, bwd_wy_smem(C, KP), bwd_grad_smem(C)};
+  return {scan, bwd_wy_smem(C, KP), bwd_state_smem(C), bwd_grad_smem(C)};
 }
 
 }  // namespace kdakit::cuda

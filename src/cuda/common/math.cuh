@@ -26,6 +26,8 @@ template <>
 __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
 template <>
 __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_float<double>(double v) { return static_cast<float>(v); }
 
 template <typename T>
 __device__ __forceinline__ T from_float(float v);

@@ -81,6 +81,8 @@ void expect_workspace_layout(const BackwardLaunch& b, const BackwardParams& p, c
                              {b.off_dL, tiles * C * C * 4, "dL"},
                              {b.off_dq, rows * K * 4, "dq"},
                              {b.off_dk, rows * K * 4, "dk"},
+                             {b.off_dkg, rows * K * 4, "dkg"},
+                             {b.off_dgam, tiles * K * 4, "rowsum(S dH)"},
                              {b.off_dbeta, rows * (1 + b.nks) * 4, "dbeta"},
                              {b.off_dA, tiles * b.nks * 4, "dA_log"},
                              {b.off_ddt, tiles * K * 4, "ddt_bias"}};
@@ -142,9 +144,10 @@ TEST(BackwardPlan, SharedMemoryFitsAmpereAdaAndHopper) {
       EXPECT_EQ(b.smem.scan, cuda::bwd_scan_smem(esz, 256, b.scan_bv, b.scan_ring));
       EXPECT_GE(b.scan_ring, 2) << "Hopper prefetches the scan's tiles";
       EXPECT_EQ(b.smem.wy, cuda::bwd_wy_smem(chunk, 256));
+      EXPECT_EQ(b.smem.state, cuda::bwd_state_smem(chunk));
       EXPECT_EQ(b.smem.grad, cuda::bwd_grad_smem(chunk));
       EXPECT_LE(b.smem.scan, kH200.smem_optin);
-      for (const std::size_t s : {b.smem.wy, b.smem.grad}) EXPECT_LE(s, kAda.smem_optin);
+      for (const std::size_t s : {b.smem.wy, b.smem.state, b.smem.grad}) EXPECT_LE(s, kAda.smem_optin);
     }
   }
   // The scan's tile narrows (or stops prefetching) to fit smaller GPUs: wherever the forward fits, the backward does.
