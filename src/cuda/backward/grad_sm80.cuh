@@ -2,18 +2,19 @@
 // per (chunk, v-head): the rows' facts once (beta, the L2 norms, the diagonal blocks' algorithm), then 16-key slices
 // in turn: the slice's q, k (L2-normalised over all K) and gates with their sub-chunk sums; its products with the
 // states (dqg, dkbg, dkg and rowsum(S dH), from state_products_sm80.cuh); the intra-chunk products through dP and dL
-// (intra_sm80.cuh), from the slice's anchored exponentials, taken once per (row, key); then per (row, key) dq, dk of
-// this v-head (to the workspace: the GVA sum and the L2 norm's backward come after), beta's key-side part, the gate
-// gradient summed as the CPU sums it, and the gate's chain to the raw input with per-chunk partial sums of dA_log and
-// ddt_bias.
+// (intra_sm80.cuh, 16 x 16 block products on tensor cores), from the slice's anchored exponentials; then per (row,
+// key) dq, dk of this v-head (to the workspace: the GVA sum and the L2 norm's backward come after), beta's key-side
+// part, the gate gradient summed as the CPU sums it, and the gate's chain to the raw input with per-chunk partial
+// sums of dA_log and ddt_bias.
 #pragma once
 
 #include "cuda/backward/intra_sm80.cuh"
 
 namespace kdakit::cuda {
 
+// Two CTAs a multiprocessor where the shared memory allows it (the register file then caps a thread at 128).
 template <typename InT>
-__global__ void __launch_bounds__(kBwdThreads) backward_grad_kernel(const BackwardArgs a) {
+__global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const BackwardArgs a) {
   constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
   const int64_t slot = blockIdx.x;
   const int hv = blockIdx.y;

@@ -2,9 +2,9 @@
 // forward's kernels, with the forward's layouts): the kernels carve their shared memory by them and the planner
 // (backward/plan.cpp) sizes the launches by them. Plain C++ (host and device).
 //
-// The reverse state scan (with its own tiles, BwdScanLayout), the WY pass and the gradient kernel's products with the
-// states run on tensor cores (src/cuda/common/sm80/mma.cuh); the gradient kernel's intra-chunk products and the
-// reductions run on CUDA cores in fp32.
+// The reverse state scan (with its own tiles, BwdScanLayout), the WY pass, the gradient kernel's products with the
+// states and its intra-chunk block products run on tensor cores (src/cuda/common/sm80/mma.cuh); the running products
+// of diagonal blocks that are not factorised, the pair sums and the reductions run on CUDA cores in fp32.
 #pragma once
 
 #include <cstddef>
