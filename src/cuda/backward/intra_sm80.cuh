@@ -24,13 +24,14 @@ struct GradSlice {
   float *el, *er, *es, *ies;           // exp(lam), exp(rho), exp(sigma), exp(-sigma) (the sub-chunk sums)
   float *xq, *xb, *ker;                // q exp(lam), beta k exp(lam), k exp(rho)
   float *dG, *kgt;                     // the gate gradient's chunk-start terms (reverse sum) and kg terms (forward)
+  float* xin;                          // the in-kernel gate's raw input g + dt_bias (for its chain)
   float *dqr, *dkr, *dkc, *arow, *bcol, *dgp;  // intra-chunk products (over the value tiles' bytes)
   float* cpart;                        // a column's pairs within its diagonal block, k_j times their sum
   float* wc;                           // [C][3][kBwdKSlice]: a row's pair sums with each earlier block
   float *beta, *rq, *rk;               // [C]
   float *tot, *etot;                   // [4][kBwdKSlice] sub-chunk totals and their exponentials
   float *gam, *dgam;                   // [kBwdKSlice]
-  int* maxexp;                         // [4] a diagonal block's largest anchor exponent (float bits)
+  int* maxexp;                         // [4] a diagonal block's largest anchor exponent in the slice (float bits)
   float* red;                          // [kBwdRowGroups] block_sum scratch
 };
 
