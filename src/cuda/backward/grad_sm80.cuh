@@ -1,19 +1,81 @@
 // The backward's gradient kernel (the key side of src/cpu/chunk_gradients.cpp and the activations' chains), one CTA
-// per (chunk, v-head): the rows' facts once (beta, the L2 norms, the diagonal blocks' algorithm), then 16-key slices
-// in turn: the slice's q, k (L2-normalised over all K) and gates with their sub-chunk sums; its products with the
-// states (dqg, dkbg, dkg and rowsum(S dH), from state_products_sm80.cuh); the intra-chunk products through dP and dL
-// (intra_sm80.cuh), from the slice's anchored exponentials, taken once per (row, key); then per (row, key) dq, dk of
-// this v-head (to the workspace: the GVA sum and the L2 norm's backward come after), beta's key-side part, the gate
-// gradient summed as the CPU sums it, and the gate's chain to the raw input with per-chunk partial sums of dA_log and
-// ddt_bias.
+// per (chunk, v-head): the rows' facts once (beta, the L2 norms), then 16-key slices in turn: the slice's q, k
+// (L2-normalised over all K) and gates with their sub-chunk sums and each diagonal block's algorithm; its products
+// with the states (dqg, dkbg, dkg and rowsum(S dH), from state_products_sm80.cuh); the intra-chunk products through
+// dP and dL (intra_sm80.cuh, 16 x 16 block products on tensor cores), from the slice's anchored exponentials; then per
+// (row, key) dq, dk of this v-head (to the workspace: the GVA sum and the L2 norm's backward come after), beta's
+// key-side part, the gate gradient summed as the CPU sums it, and the gate's chain to the raw input with per-chunk
+// partial sums of dA_log and ddt_bias.
 #pragma once
 
+#include <cstring>
+#include <type_traits>
+
 #include "cuda/backward/intra_sm80.cuh"
+#include "cuda/backward/wy_sm80.cuh"
 
 namespace kdakit::cuda {
+namespace grad {
 
+// The in-kernel gate and its derivatives: the expressions of math::gate_value and math::gate_grad (the same bits),
+// exp(A_log) taken once per head. `e` stands for both exp(A_log) and the lower-bound gate's scale a, which is 1
+// without A_log as exp(0) is.
+struct Gate {
+  int mode;
+  bool has_A;
+  float e, lb;
+  __device__ __forceinline__ Gate(const BackwardArgs& a, int hv)
+      : mode(static_cast<int>(a.gate_mode)), has_A(a.A_log.present()), lb(a.lower_bound) {
+    e = expf(has_A ? a.A_log.load(hv) : 0.f);
+  }
+  __device__ __forceinline__ float value(float x) const {
+    return mode == 1 ? -e * math::softplus(x) : lb * math::sigmoid(e * x);
+  }
+  // g: value(x), which is also d gate / dA_log of the softplus gate.
+  __device__ __forceinline__ void grad(float x, float g, float& d_dx, float& d_dA) const {
+    if (mode == 1) {
+      d_dx = -e * math::softplus_grad(x);
+      d_dA = g;
+      return;
+    }
+    const float s = math::sigmoid(e * x), ds = lb * s * (1.f - s);
+    d_dx = ds * e;
+    d_dA = has_A ? ds * e * x : 0.f;
+  }
+};
+
+// Keys d0..d0 + 15 of the chunk's rows of token tensor t (elements of T, head `head`): put(r, dl, value, in) for each,
+// value zero past nrows and K (in false). 16-byte loads where the rows allow them (vec), else an element at a time.
+template <typename T, typename Put>
+__device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const ChunkOf& ch, int head, int C, int K,
+                                           int d0, Put&& put) {
+  constexpr int KS = kBwdKSlice, EPC = 16 / sizeof(T), PIECES = KS / EPC;
+  const T* p = static_cast<const T*>(t.p);
+  if (vec) {  // K is a multiple of EPC: a piece is within K or past it
+    for (int e = threadIdx.x; e < C * PIECES; e += kBwdThreads) {
+      const int r = e / PIECES, c = (e % PIECES) * EPC;
+      const bool in = r < ch.nrows && d0 + c < K;
+      uint4 u{};
+      if (in) u = __ldg(reinterpret_cast<const uint4*>(p + t.offset(ch.b, ch.row0 + r, head) + d0 + c));
+      T v[EPC];
+      memcpy(v, &u, sizeof(u));
+#pragma unroll
+      for (int i = 0; i < EPC; ++i) put(r, c + i, to_float(v[i]), in);
+    }
+  } else {
+    for (int e = threadIdx.x; e < C * KS; e += kBwdThreads) {
+      const int r = e / KS, dl = e % KS;
+      const bool in = r < ch.nrows && d0 + dl < K;
+      put(r, dl, in ? to_float(p[t.offset(ch.b, ch.row0 + r, head) + d0 + dl]) : 0.f, in);
+    }
+  }
+}
+
+}  // namespace grad
+
+// Two CTAs a multiprocessor where the shared memory allows it (the register file then caps a thread at 128).
 template <typename InT>
-__global__ void __launch_bounds__(kBwdThreads) backward_grad_kernel(const BackwardArgs a) {
+__global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const BackwardArgs a) {
   constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
   const int64_t slot = blockIdx.x;
   const int hv = blockIdx.y;
@@ -33,6 +95,7 @@ __global__ void __launch_bounds__(kBwdThreads) backward_grad_kernel(const Backwa
     const int tl = C * LDK;
     s.q = take(tl); s.k = take(tl); s.g = take(tl); s.el = take(tl); s.er = take(tl); s.es = take(tl);
     s.ies = take(tl); s.xq = take(tl); s.xb = take(tl); s.ker = take(tl); s.dG = take(tl); s.kgt = take(tl);
+    s.xin = take(tl);
     float* uni = take(static_cast<int>(bwd_grad_intra(C)));
     s.dqr = uni; s.dkr = uni + tl; s.dkc = uni + 2 * tl; s.arow = uni + 3 * tl; s.bcol = uni + 4 * tl;
     s.dgp = uni + 5 * tl; s.cpart = uni + 6 * tl; s.wc = uni + 7 * tl;
@@ -42,18 +105,15 @@ __global__ void __launch_bounds__(kBwdThreads) backward_grad_kernel(const Backwa
     s.red = take(kBwdRowGroups);
   }
 
-  // Rows: beta, the L2 norms (4 threads a row, over all K); the diagonal blocks' algorithm, from the largest anchor
-  // exponent over all keys (as the CPU decides it).
+  // Rows: beta and the L2 norms' reciprocals (a warp per row, over all K).
   for (int i = tid; i < C; i += kBwdThreads) {
     s.beta[i] = i < nrows ? math::beta_value(a.beta.load(a.beta.offset(ch.b, ch.row0 + i, hv)), a.beta_sigmoid,
                                              a.neg_eigval)
                           : 0.f;
   }
-  if (tid < 4) s.maxexp[tid] = 0;
-  // The L2 norms' reciprocals, a warp per row.
   for (int r = tid >> 5; r < C; r += kBwdRowGroups) {
     float sq = 0.f, sk = 0.f;
-    if (r < nrows) {
+    if (r < nrows && a.l2norm) {
       const int64_t qo = a.q.offset(ch.b, ch.row0 + r, h), ko = a.k.offset(ch.b, ch.row0 + r, h);
       for (int d = tid & 31; d < K; d += 32) {
         const float x = token_at<InT>(a.q, qo, d), y = token_at<InT>(a.k, ko, d);
@@ -69,30 +129,36 @@ __global__ void __launch_bounds__(kBwdThreads) backward_grad_kernel(const Backwa
       s.rk[r] = r < nrows ? (a.l2norm ? 1.f / sqrtf(sk + eps) : 1.f) : 0.f;
     }
   }
-  __syncthreads();
-  for (int e = tid; e < NSUB * K; e += kBwdThreads) {
-    const int blk = e / K, d = e % K, s0 = 16 * blk, s1 = min(nrows, s0 + 16), m = s0 + min(8, s1 - s0 - 1);
-    float acc = 0.f, mx = 0.f;
-    for (int i = m + 1; i < s1; ++i) acc += gate_at(a, a.g, ch.b, ch.row0 + i, hv, d);
-    mx = fmaxf(mx, -acc);
-    acc = 0.f;
-    for (int i = m - 1; i >= s0; --i) acc -= gate_at(a, a.g, ch.b, ch.row0 + i + 1, hv, d);
-    mx = fmaxf(mx, acc);
-    atomicMax(&s.maxexp[blk], __float_as_int(mx));  // non-negative floats order as their bits
-  }
+  const bool in_kernel = a.gate_mode != GateMode::kPreGated, has_bias = in_kernel && a.dt_bias.present();
+  const grad::Gate gate(a, hv);
+  constexpr int QK_EPC = 16 / sizeof(InT);
+  const bool q_vec = wy::rows_vec(a.q, QK_EPC, K), k_vec = wy::rows_vec(a.k, QK_EPC, K);
   // The 16-key slices in turn, each ending in its own partial sums (dbeta's key part, dA_log); the rows' facts above
   // are the chunk's, taken once.
   for (int ks = 0; ks < a.nks; ++ks) {
     const int d0 = ks * KS;
-    __syncthreads();  // the previous slice's readers are done
-    // The slice: q and k normalised, the gates, then the sub-chunk sums (chunk_sums of the CPU).
-    for (int e = tid; e < C * KS; e += kBwdThreads) {
-      const int r = e / KS, dl = e % KS, d = d0 + dl;
-      const bool in = r < nrows && d < K;
-      s.q[r * LDK + dl] = in ? token_at<InT>(a.q, a.q.offset(ch.b, ch.row0 + r, h), d) * s.rq[r] : 0.f;
-      s.k[r * LDK + dl] = in ? token_at<InT>(a.k, a.k.offset(ch.b, ch.row0 + r, h), d) * s.rk[r] : 0.f;
-      s.g[r * LDK + dl] = in ? gate_at(a, a.g, ch.b, ch.row0 + r, hv, d) : 0.f;
-    }
+    __syncthreads();  // the previous slice's readers are done (and the rows' facts written)
+    // The slice: q and k normalised; the gates, each evaluated once, with their raw inputs x = g + dt_bias for the
+    // chain.
+    if (tid < 4) s.maxexp[tid] = 0;
+    grad::slice_rows<InT>(a.q, q_vec, ch, h, C, K, d0,
+                          [&](int r, int dl, float v, bool) { s.q[r * LDK + dl] = v * s.rq[r]; });
+    grad::slice_rows<InT>(a.k, k_vec, ch, h, C, K, d0,
+                          [&](int r, int dl, float v, bool) { s.k[r * LDK + dl] = v * s.rk[r]; });
+    with_typed(a.g, [&](auto* gp) {
+      using G = std::remove_cv_t<std::remove_pointer_t<decltype(gp)>>;
+      grad::slice_rows<G>(a.g, wy::rows_vec(a.g, 16 / sizeof(G), K), ch, hv, C, K, d0,
+                          [&](int r, int dl, float raw, bool in) {
+                            const int o = r * LDK + dl;
+                            if (!in_kernel) {
+                              s.g[o] = raw;  // zero outside
+                              return;
+                            }
+                            const float x = raw + (has_bias && in ? a.dt_bias.load(int64_t(hv) * K + d0 + dl) : 0.f);
+                            s.xin[o] = x;
+                            s.g[o] = in ? gate.value(x) : 0.f;
+                          });
+    });
     __syncthreads();
     // The sub-chunk sums (chunk_sums of the CPU), kept as the exponentials the products take: exp(lam) (inclusive
     // prefix), exp(rho) (exclusive suffix), exp(+-sigma) (around the block's middle row; only read in factorised
@@ -117,15 +183,23 @@ __global__ void __launch_bounds__(kBwdThreads) backward_grad_kernel(const Backwa
       };
       put_sigma(m, 0.f);
       acc = 0.f;
+      float mx = 0.f;
       for (int i = m + 1; i < s1; ++i) {
         acc += s.g[i * LDK + dl];
         put_sigma(i, acc);
       }
+      mx = fmaxf(mx, -acc);
       acc = 0.f;
       for (int i = m - 1; i >= s0; --i) {
         acc -= s.g[(i + 1) * LDK + dl];
         put_sigma(i, acc);
       }
+      mx = fmaxf(mx, acc);
+      // The block's algorithm for this slice, from the largest anchor exponent over the slice's own keys: a slice's
+      // products read only its own keys' exponentials, so the factorised form is exact wherever the slice's
+      // exponents allow it, and the decision needs no pass over the other keys' gates. (The CPU decides per block
+      // over all keys; both forms are exact to fp32 where they apply.)
+      atomicMax(&s.maxexp[blk], __float_as_int(mx));  // non-negative floats order as their bits
     }
     __syncthreads();
     if (tid < KS) {
@@ -196,20 +270,17 @@ __global__ void __launch_bounds__(kBwdThreads) backward_grad_kernel(const Backwa
     __syncthreads();
     // The gate's chain to the raw input (spec §4.2 B8) and dg; partial sums of dA_log (the CTA) and ddt_bias (per
     // key).
-    const bool in_kernel = a.gate_mode != GateMode::kPreGated;
-    const float A = a.A_log.present() ? a.A_log.load(hv) : 0.f;
     float dA = 0.f;
     for (int e = tid; e < nrows * KS; e += kBwdThreads) {
-      const int r = e / KS, dl = e % KS, d = d0 + dl;
+      const int r = e / KS, dl = e % KS, d = d0 + dl, o = r * LDK + dl;
       if (d >= K) continue;
-      float dg = s.dgp[r * LDK + dl];
+      float dg = s.dgp[o];
       if (in_kernel) {
-        float x, d_dx, d_dA;
-        gate_at(a, a.g, ch.b, ch.row0 + r, hv, d, &x);
-        math::gate_grad<float>(static_cast<int>(a.gate_mode), x, A, a.A_log.present(), a.lower_bound, &d_dx, &d_dA);
+        float d_dx, d_dA;
+        gate.grad(s.xin[o], s.g[o], d_dx, d_dA);
         dA += dg * d_dA;
         dg *= d_dx;
-        s.dgp[r * LDK + dl] = dg;
+        s.dgp[o] = dg;
       }
       a.dg.store(a.dg.offset(ch.b, ch.row0 + r, hv) + d, dg);
     }

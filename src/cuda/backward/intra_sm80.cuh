@@ -1,13 +1,20 @@
 // The intra-chunk products of the gradient kernel (intra_products of src/cpu/chunk_gradients.cpp, whose comment has
-// the anchoring and the gate's pair sums), over one 16-key slice, a thread per (row, key) task: its row side (dq_row,
-// dk_row against the earlier blocks and within its diagonal block), its column side (dk_col against the later blocks
-// and within its block) and the pairs' part of the gate gradient (dgp). dP and dL are read from the workspace (the WY
-// pass's), everything else from the slice tiles in shared memory. The anchored exponentials are the slice's tiles
-// (exp(lam), exp(rho), exp(+-sigma), exp(total)), taken once per (row, key): a product over blocks b < c < a is a
-// product of exp(total)s, never an exponential of a difference.
+// the anchoring and the gate's pair sums), over one 16-key slice: the row side (dq_row, dk_row against the earlier
+// blocks and within the diagonal block), the column side (dk_col against the later blocks and within the block) and
+// the pairs' part of the gate gradient (dgp). dP and dL are read from the workspace (the WY pass's), everything else
+// from the slice tiles in shared memory. The anchored exponentials are the slice's tiles (exp(lam), exp(rho),
+// exp(+-sigma), exp(total)): a product over blocks b < c < a is a product of exp(total)s, never an exponential of a
+// difference.
+//
+// The 16 x 16 block products run on tensor cores (mma.sync m16n8k16, every operand split hi + lo: three MMAs, fp32
+// accumulation), a warp per (16-row block, 8 keys): an off-diagonal block's product needs no factor inside the sum
+// (the anchors make its scale a per-key factor, applied to the accumulator), and a factorised diagonal block's is a
+// masked product with the row and column factors exp(+-sigma) taken out. A diagonal block that is not factorised
+// (huge gates) keeps the running products, per accumulator element.
 #pragma once
 
 #include "cuda/backward/common.cuh"
+#include "cuda/common/sm80/mma.cuh"
 
 namespace kdakit::cuda {
 
@@ -17,13 +24,14 @@ struct GradSlice {
   float *el, *er, *es, *ies;           // exp(lam), exp(rho), exp(sigma), exp(-sigma) (the sub-chunk sums)
   float *xq, *xb, *ker;                // q exp(lam), beta k exp(lam), k exp(rho)
   float *dG, *kgt;                     // the gate gradient's chunk-start terms (reverse sum) and kg terms (forward)
+  float* xin;                          // the in-kernel gate's raw input g + dt_bias (for its chain)
   float *dqr, *dkr, *dkc, *arow, *bcol, *dgp;  // intra-chunk products (over the value tiles' bytes)
   float* cpart;                        // a column's pairs within its diagonal block, k_j times their sum
   float* wc;                           // [C][3][kBwdKSlice]: a row's pair sums with each earlier block
   float *beta, *rq, *rk;               // [C]
   float *tot, *etot;                   // [4][kBwdKSlice] sub-chunk totals and their exponentials
   float *gam, *dgam;                   // [kBwdKSlice]
-  int* maxexp;                         // [4] a diagonal block's largest anchor exponent (float bits)
+  int* maxexp;                         // [4] a diagonal block's largest anchor exponent in the slice (float bits)
   float* red;                          // [kBwdRowGroups] block_sum scratch
 };
 
@@ -31,8 +39,221 @@ __device__ __forceinline__ bool factorised_block(const GradSlice& s, int blk) {
   return __int_as_float(s.maxexp[blk]) <= 64.0f;  // the CPU's kMaxAnchorExponent
 }
 
-// Row i's products (row side) and column j = i's (column side), and the pair sums landing on token t = i, for key dl
-// of the slice; nrows rows of chunk size C, NSUB blocks. Ends with a barrier.
+namespace intra {
+
+// A 16 x 16 A fragment (split hi + lo) of the values f(r, c), r and c the tile's row and column (the layouts in
+// mma.cuh). f returns zero outside the products' range, so the rows past the chunk's end (the workspace and slice
+// rows there are not written) never enter a sum, not even as 0 * NaN.
+template <typename F>
+__device__ __forceinline__ void build_a(FragA (&a)[2], F&& f) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+    const int r = g + 8 * (x & 1), c = 2 * t + 8 * (x >> 1);
+    split_pack(f(r, c), f(r, c + 1), a[0].x[x], a[1].x[x]);
+  }
+}
+
+// A 16 x 8 B fragment (k x n, split hi + lo) of the values f(k, n).
+template <typename F>
+__device__ __forceinline__ void build_b(FragB (&b)[2], F&& f) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int x = 0; x < 2; ++x) split_pack(f(2 * t + 8 * x, g), f(2 * t + 8 * x + 1, g), b[0].x[x], b[1].x[x]);
+}
+
+// The accumulator element x of this lane: its tile row (0..15) and column (0..7).
+__device__ __forceinline__ int acc_row(int x) { return ((threadIdx.x & 31) >> 2) + 8 * (x >> 1); }
+__device__ __forceinline__ int acc_col(int x) { return 2 * (threadIdx.x & 3) + (x & 1); }
+
+// The row side of row block `blk`, keys n0..n0+7 of the slice: dqr, dkr, arow, wc and the rows' part of dgp.
+__device__ __forceinline__ void row_side(const GradSlice& s, const float* dP, const float* dL, int C, int nrows,
+                                         int blk, int n0) {
+  constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
+  using Op = Operand<float>;
+  const int a0 = 16 * blk, kc = n0 + acc_col(0);  // the lane's keys kc, kc + 1
+  auto in_rows = [&](const float* M, int c0) {    // M's rows of this block, columns c0..c0+15
+    return [=](int r, int c) { return a0 + r < nrows ? M[(a0 + r) * C + c0 + c] : 0.f; };
+  };
+  // Earlier blocks, anchored at this block's start: (dP or dL) times k exp(rho), scaled per key by the totals of the
+  // blocks in between.
+  float acc_q[4] = {0.f, 0.f, 0.f, 0.f}, acc_k[4] = {0.f, 0.f, 0.f, 0.f}, emid[2] = {1.f, 1.f};
+  for (int b = blk - 1; b >= 0; --b) {
+    FragB kb[2];
+    build_b(kb, [&](int k, int n) { return s.ker[(16 * b + k) * LDK + n0 + n]; });
+    FragC pq, pk;
+    pq.zero();
+    pk.zero();
+    {
+      FragA ap[2];
+      build_a(ap, in_rows(dP, 16 * b));
+      Op::mma(pq, ap, kb);
+    }
+    {
+      FragA al[2];
+      build_a(al, in_rows(dL, 16 * b));
+      Op::mma(pk, al, kb);
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int i = a0 + acc_row(x), dl = kc + (x & 1);
+      const float vq = pq.x[x] * emid[x & 1], vk = pk.x[x] * emid[x & 1];
+      acc_q[x] += vq;
+      acc_k[x] += vk;
+      if (i < nrows) {
+        const int o = i * LDK + dl;
+        s.wc[(i * 3 + b) * KS + dl] = s.el[o] * (s.q[o] * vq + s.beta[i] * s.k[o] * vk);
+      }
+    }
+    emid[0] *= s.etot[b * KS + kc];
+    emid[1] *= s.etot[b * KS + kc + 1];
+  }
+  // Within the diagonal block (P's diagonal left out).
+  float dq_diag[4], dk_diag[4];
+  if (factorised_block(s, blk)) {  // es_i sum_{j < i} (dP or dL)[i][j] k_j ies_j
+    FragA ap[2], al[2];
+    FragB kb[2];
+    build_a(ap, [&](int r, int c) { return c < r && a0 + r < nrows ? dP[(a0 + r) * C + a0 + c] : 0.f; });
+    build_a(al, [&](int r, int c) { return c < r && a0 + r < nrows ? dL[(a0 + r) * C + a0 + c] : 0.f; });
+    build_b(kb, [&](int k, int n) {
+      const int o = (a0 + k) * LDK + n0 + n;
+      return a0 + k < nrows ? s.k[o] * s.ies[o] : 0.f;
+    });
+    FragC pq, pk;
+    pq.zero();
+    pk.zero();
+    Op::mma(pq, ap, kb);
+    Op::mma(pk, al, kb);
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int i = a0 + acc_row(x), o = min(i, nrows - 1) * LDK + kc + (x & 1);
+      dq_diag[x] = pq.x[x] * s.es[o];
+      dk_diag[x] = pk.x[x] * s.es[o];
+    }
+  } else {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int i = min(a0 + acc_row(x), nrows - 1), dl = kc + (x & 1);
+      float dq = 0.f, dk = 0.f, dec = 1.f;
+      for (int j = i - 1; j >= a0; --j) {
+        dec *= expf(s.g[(j + 1) * LDK + dl]);
+        const float kj = s.k[j * LDK + dl] * dec;
+        dq += dP[i * C + j] * kj;
+        dk += dL[i * C + j] * kj;
+      }
+      dq_diag[x] = dq;
+      dk_diag[x] = dk;
+    }
+  }
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+    const int i = a0 + acc_row(x);
+    if (i >= nrows) continue;
+    const int o = i * LDK + kc + (x & 1);
+    const float el = s.el[o], qi = s.q[o], bki = s.beta[i] * s.k[o];
+    const float rq = el * acc_q[x], rk = el * acc_k[x];
+    s.arow[o] = qi * rq + bki * rk;
+    s.dqr[o] = rq + dq_diag[x];
+    s.dkr[o] = rk + dk_diag[x];
+    s.dgp[o] = qi * dq_diag[x] + bki * dk_diag[x];  // the row's part of its block's pairs
+  }
+}
+
+// The column side of column block `blk`, keys n0..n0+7: dkc, bcol and cpart.
+__device__ __forceinline__ void col_side(const GradSlice& s, const float* dP, const float* dL, int C, int nrows,
+                                         int NSUB, int blk, int n0) {
+  constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
+  using Op = Operand<float>;
+  const int c0 = 16 * blk, kc = n0 + acc_col(0);
+  // (dP or dL)^T of rows r0.., this block's columns: A(m = column, k = row).
+  auto cols_of = [&](const float* M, int r0) {
+    return [=](int m, int k) { return r0 + k < nrows ? M[(r0 + k) * C + c0 + m] : 0.f; };
+  };
+  auto rows_of = [&](const float* T, int r0) {  // a slice tile's rows r0.. as a B operand
+    return [=](int k, int n) { return r0 + k < nrows ? T[(r0 + k) * LDK + n0 + n] : 0.f; };
+  };
+  // Later blocks, anchored at this block's end.
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, emid[2] = {1.f, 1.f};
+  for (int r = blk + 1; r < NSUB; ++r) {
+    const int r0 = 16 * r;
+    FragC part;
+    part.zero();
+    {
+      FragA ap[2];
+      FragB bq[2];
+      build_a(ap, cols_of(dP, r0));
+      build_b(bq, rows_of(s.xq, r0));
+      Op::mma(part, ap, bq);
+    }
+    {
+      FragA al[2];
+      FragB bb[2];
+      build_a(al, cols_of(dL, r0));
+      build_b(bb, rows_of(s.xb, r0));
+      Op::mma(part, al, bb);
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x) acc[x] += emid[x & 1] * part.x[x];
+    emid[0] *= s.etot[r * KS + kc];
+    emid[1] *= s.etot[r * KS + kc + 1];
+  }
+  // Within the block: ies_j sum_{i > j} (dP[i][j] q_i + dL[i][j] beta_i k_i) es_i.
+  float diag[4];
+  if (factorised_block(s, blk)) {
+    FragC dg;
+    dg.zero();
+    {
+      FragA ap[2];
+      FragB bq[2];
+      build_a(ap, [&](int m, int k) { return k > m && c0 + k < nrows ? dP[(c0 + k) * C + c0 + m] : 0.f; });
+      build_b(bq, [&](int k, int n) {
+        const int o = (c0 + k) * LDK + n0 + n;
+        return c0 + k < nrows ? s.q[o] * s.es[o] : 0.f;
+      });
+      Op::mma(dg, ap, bq);
+    }
+    {
+      FragA al[2];
+      FragB bb[2];
+      build_a(al, [&](int m, int k) { return k > m && c0 + k < nrows ? dL[(c0 + k) * C + c0 + m] : 0.f; });
+      build_b(bb, [&](int k, int n) {
+        const int o = (c0 + k) * LDK + n0 + n;
+        return c0 + k < nrows ? s.beta[c0 + k] * s.k[o] * s.es[o] : 0.f;
+      });
+      Op::mma(dg, al, bb);
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x) diag[x] = dg.x[x] * s.ies[min(c0 + acc_row(x), nrows - 1) * LDK + kc + (x & 1)];
+  } else {
+    const int s1 = min(nrows, c0 + 16);
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int j = c0 + acc_row(x), dl = kc + (x & 1);
+      float d = 0.f, dec = 1.f;
+      for (int ii = j + 1; ii < s1; ++ii) {
+        const int o = ii * LDK + dl;
+        dec *= expf(s.g[o]);
+        d += (dP[ii * C + j] * s.q[o] + dL[ii * C + j] * s.beta[ii] * s.k[o]) * dec;
+      }
+      diag[x] = d;
+    }
+  }
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+    const int j = c0 + acc_row(x);
+    if (j >= nrows) continue;
+    const int o = j * LDK + kc + (x & 1);
+    const float cside = s.er[o] * acc[x], kj = s.k[o];
+    s.bcol[o] = kj * cside;
+    s.dkc[o] = cside + diag[x];
+    s.cpart[o] = kj * diag[x];
+  }
+}
+
+}  // namespace intra
+
+// The products of one slice (nrows rows of chunk size C, NSUB blocks), then the pair sums landing on each token.
+// Ends with a barrier.
 //
 // The pairs (i', j') of a diagonal block with j' < t <= i' are summed as a running total over t: the pair enters at
 // t = j' + 1 (its column's part, cpart) and leaves at t = i' + 1 (its row's part, which is q_t dq_diag + beta_t k_t
@@ -40,84 +261,15 @@ __device__ __forceinline__ bool factorised_block(const GradSlice& s, int blk) {
 __device__ __forceinline__ void intra_products(const GradSlice& s, const float* dP, const float* dL, int C, int nrows,
                                                int NSUB) {
   constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
-  auto at = [](const float* t, int r, int dl) { return t[r * LDK + dl]; };
-  for (int e = threadIdx.x; e < nrows * KS; e += kBwdThreads) {
-    const int i = e / KS, dl = e % KS, blk = i / 16, s0 = 16 * blk, s1 = min(nrows, s0 + 16);
-    const bool fact = factorised_block(s, blk);
-    const float qi = at(s.q, i, dl), ki = at(s.k, i, dl), bi = s.beta[i];
-    // Row side: earlier blocks, anchored at this block's start (k_j exp(rho_j) times the totals in between).
-    float acc_q = 0.f, acc_k = 0.f, emid = 1.f;
-    const float el = at(s.el, i, dl);
-    for (int b = blk - 1; b >= 0; --b) {
-      float pq = 0.f, pk = 0.f;
-      for (int j = 16 * b; j < 16 * b + 16; ++j) {
-        const float opb = at(s.ker, j, dl);
-        pq += dP[i * C + j] * opb;
-        pk += dL[i * C + j] * opb;
-      }
-      pq *= emid;
-      pk *= emid;
-      acc_q += pq;
-      acc_k += pk;
-      s.wc[(i * 3 + b) * KS + dl] = el * (qi * pq + bi * ki * pk);
-      emid *= s.etot[b * KS + dl];
-    }
-    float rq = el * acc_q, rk = el * acc_k;
-    s.arow[i * LDK + dl] = qi * rq + bi * ki * rk;
-    // Row side within the diagonal block (P's diagonal left out).
-    float dq_diag = 0.f, dk_diag = 0.f;
-    if (fact) {
-      for (int j = s0; j < i; ++j) {
-        const float kc = at(s.k, j, dl) * at(s.ies, j, dl);
-        dq_diag += dP[i * C + j] * kc;
-        dk_diag += dL[i * C + j] * kc;
-      }
-      const float es = at(s.es, i, dl);
-      dq_diag *= es;
-      dk_diag *= es;
-    } else {
-      float dec = 1.f;
-      for (int j = i - 1; j >= s0; --j) {
-        dec *= expf(at(s.g, j + 1, dl));
-        const float kj = at(s.k, j, dl) * dec;
-        dq_diag += dP[i * C + j] * kj;
-        dk_diag += dL[i * C + j] * kj;
-      }
-    }
-    s.dqr[i * LDK + dl] = rq + dq_diag;
-    s.dkr[i * LDK + dl] = rk + dk_diag;
-    s.dgp[i * LDK + dl] = qi * dq_diag + bi * ki * dk_diag;  // the row's part of its block's pairs
-    // Column side of column j = i: later blocks, anchored at this block's end.
-    const int j = i;
-    float acc = 0.f;
-    emid = 1.f;
-    for (int r = blk + 1; r < NSUB; ++r) {
-      const int r0 = 16 * r, r1 = min(nrows, r0 + 16);
-      float part = 0.f;
-      for (int ii = r0; ii < r1; ++ii) {
-        part += dP[ii * C + j] * at(s.xq, ii, dl) + dL[ii * C + j] * at(s.xb, ii, dl);
-      }
-      acc += emid * part;
-      emid *= s.etot[r * KS + dl];
-    }
-    const float cside = at(s.er, j, dl) * acc;
-    s.bcol[j * LDK + dl] = ki * cside;
-    float diag = 0.f;
-    if (fact) {
-      for (int ii = j + 1; ii < s1; ++ii) {
-        diag += (dP[ii * C + j] * at(s.q, ii, dl) + dL[ii * C + j] * (s.beta[ii] * at(s.k, ii, dl))) *
-                at(s.es, ii, dl);
-      }
-      diag *= at(s.ies, j, dl);
-    } else {
-      float dec = 1.f;
-      for (int ii = j + 1; ii < s1; ++ii) {
-        dec *= expf(at(s.g, ii, dl));
-        diag += (dP[ii * C + j] * at(s.q, ii, dl) + dL[ii * C + j] * s.beta[ii] * at(s.k, ii, dl)) * dec;
-      }
-    }
-    s.dkc[j * LDK + dl] = cside + diag;
-    s.cpart[j * LDK + dl] = ki * diag;
+  // A block's row side costs its earlier blocks, its column side its later ones: a warp taking both sides of one
+  // block (and 8 keys) has NSUB + 1 block products whatever the block. Up to two blocks, the sides go to warps of
+  // their own.
+  const int warp = threadIdx.x >> 5, n0 = 8 * (warp & 1);
+  const bool apart = NSUB <= 2, cols_only = apart && ((warp >> 1) & 1);
+  const int blk = apart ? warp >> 2 : warp >> 1;
+  if (blk < NSUB) {
+    if (!cols_only) intra::row_side(s, dP, dL, C, nrows, blk, n0);
+    if (!apart || cols_only) intra::col_side(s, dP, dL, C, nrows, NSUB, blk, n0);
   }
   __syncthreads();
   // Per (block c, key): the pairs within c (the running total), c's rows over earlier blocks (i >= t), c's columns

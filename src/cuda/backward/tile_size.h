@@ -2,9 +2,9 @@
 // forward's kernels, with the forward's layouts): the kernels carve their shared memory by them and the planner
 // (backward/plan.cpp) sizes the launches by them. Plain C++ (host and device).
 //
-// The reverse state scan (with its own tiles, BwdScanLayout), the WY pass and the gradient kernel's products with the
-// states run on tensor cores (src/cuda/common/sm80/mma.cuh); the gradient kernel's intra-chunk products and the
-// reductions run on CUDA cores in fp32.
+// The reverse state scan (with its own tiles, BwdScanLayout), the WY pass, the gradient kernel's products with the
+// states and its intra-chunk block products run on tensor cores (src/cuda/common/sm80/mma.cuh); the running products
+// of diagonal blocks that are not factorised, the pair sums and the reductions run on CUDA cores in fp32.
 #pragma once
 
 #include <cstddef>
@@ -97,12 +97,12 @@ constexpr std::size_t bwd_state_smem(int C) {
 }
 
 // The gradient pass, per (chunk, v-head), a 16-key slice at a time: the slice's q, k, gates, exp(lam), exp(rho),
-// exp(sigma), exp(-sigma), the products' factors q e^lam, beta k e^lam and k e^rho, and the gate gradient's two sums
-// [C][16] each (12 tiles); the
-// intra-chunk products (dq_row, dk_row, dk_col, a_row, b_col, dgp and the diagonal blocks' column parts [C][16], and
-// the per-(row, earlier block) pair sums [C][3][16]); per row: beta and the two norms; per slice: the sub-chunk totals
-// and their exponentials [4][16] each, gamma and rowsum(S dH); four block flags; the block sum's scratch.
-constexpr int kBwdGradTiles = 12;
+// exp(sigma), exp(-sigma), the products' factors q e^lam, beta k e^lam and k e^rho, the gate gradient's two sums and
+// the gates' raw inputs [C][16] each (13 tiles); the intra-chunk products (dq_row, dk_row, dk_col, a_row, b_col, dgp
+// and the diagonal blocks' column parts [C][16], and the per-(row, earlier block) pair sums [C][3][16]); per row: beta
+// and the two norms; per slice: the sub-chunk totals and their exponentials [4][16] each, gamma and rowsum(S dH); four
+// block flags; the block sum's scratch.
+constexpr int kBwdGradTiles = 13;
 constexpr std::size_t bwd_grad_intra(int C) {
   return std::size_t(7 * C) * kBwdLdk + std::size_t(C) * 3 * kBwdKSlice;
 }
