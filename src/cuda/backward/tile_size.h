@@ -86,14 +86,20 @@ constexpr std::size_t bwd_wy_smem(int C, int /*KP*/) {
                           8 * std::size_t(C));
 }
 
-// The products with the states (state_products_sm80.cuh), per (chunk, v-head, 32 keys): four warps, a 16-row band of
-// the chunk each; the value tiles dO, dbv, v_new [C][32] and S, dH [32 keys][32] in fp32, rows of kBwdLdv floats (an
-// even stride: the split operands are read as float pairs).
-constexpr int kBwdStateThreads = 128;
-constexpr int kBwdStateKeys = 32;
-constexpr int kBwdLdv = kBwdCols + 8;
+// The products with the states (state_products_sm80.cuh), per (chunk, v-head, 128 keys): all keys of K <= 128 in one
+// CTA, so that the value tiles (dO, dbv, v_new) are read once per chunk there. Sixteen warps, a 16-row band of the
+// chunk times 32 keys each; value tiles of 16 columns in two stages (the next tile's copies land during this one's
+// products), each dO, dbv, v_new [C][kBwdLdv] and S, dH [128 keys][kBwdLdv] in fp32 (an even stride: the split
+// operands are read as float pairs, a half-warp's four rows of pairs on distinct banks). A dO copied as bf16 / fp16
+// rows takes kBwdLdvHalf 16-bit elements a row in its region (16-byte rows; 12 words mod 32 keep a warp's words apart).
+constexpr int kBwdStateThreads = 512;
+constexpr int kBwdStateKeys = 128;
+constexpr int kBwdStateCols = 16;
+constexpr int kBwdStateStages = 2;
+constexpr int kBwdLdv = kBwdStateCols + 8;
+constexpr int kBwdLdvHalf = kBwdStateCols + 8;
 constexpr std::size_t bwd_state_smem(int C) {
-  return sizeof(float) * std::size_t(3 * C + 2 * kBwdStateKeys) * kBwdLdv;
+  return sizeof(float) * kBwdStateStages * std::size_t(3 * C + 2 * kBwdStateKeys) * kBwdLdv;
 }
 
 // The gradient pass, per (chunk, v-head), a 16-key slice at a time: the slice's q, k, gates, exp(lam), exp(rho),
