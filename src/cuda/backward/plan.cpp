@@ -1,11 +1,56 @@
 #include "cuda/backward/plan.h"
 
 #include <algorithm>
+#include <numeric>
 #include <string>
+#include <vector>
 
 #include "kdakit/error.h"
 
 namespace kdakit::cuda {
+
+namespace {
+
+// A workspace part and its life: the launches (BwdStep) that first write and last read it.
+struct LivePart {
+  std::size_t* off;
+  std::size_t bytes;
+  int first, last;
+};
+
+// First fit, largest part first (ties: the earlier born, then table order): each part at the lowest 256-byte
+// aligned offset where it overlaps no placed part whose life overlaps its own. Returns the total. The end never
+// passes the sum of the aligned sizes: a part starts at 0 or at a placed part's end.
+std::size_t place_parts(std::vector<LivePart>& parts) {
+  auto align = [](std::size_t x) { return (x + 255) & ~std::size_t(255); };
+  std::vector<std::size_t> order(parts.size());
+  std::iota(order.begin(), order.end(), std::size_t(0));
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
+    if (parts[x].bytes != parts[y].bytes) return parts[x].bytes > parts[y].bytes;
+    return parts[x].first < parts[y].first;
+  });
+  std::vector<const LivePart*> placed, live;
+  std::size_t total = 0;
+  for (const std::size_t i : order) {
+    LivePart& p = parts[i];
+    live.clear();
+    for (const LivePart* q : placed) {
+      if (q->first <= p.last && p.first <= q->last) live.push_back(q);
+    }
+    std::sort(live.begin(), live.end(), [](const LivePart* x, const LivePart* y) { return *x->off < *y->off; });
+    std::size_t at = 0;
+    for (const LivePart* q : live) {
+      if (at + p.bytes <= *q->off) break;
+      at = std::max(at, align(*q->off + q->bytes));
+    }
+    *p.off = at;
+    placed.push_back(&p);
+    total = std::max(total, align(at + p.bytes));
+  }
+  return total;
+}
+
+}  // namespace
 
 ForwardParams backward_forward_params(const BackwardParams& p) {
   ForwardParams f;
@@ -62,31 +107,40 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
                     std::to_string(limit) + (C == 64 ? "; chunk_size=32 needs less" : ""));
   }
 
-  // The workspace: the forward's, then the backward's parts.
-  auto align = [](std::size_t x) { return (x + 255) & ~std::size_t(255); };
+  // The workspace: the forward's parts and the backward's, each live from the launch that first writes it to the
+  // last that reads it (plan.h), placed so that parts live at once never share bytes.
   const std::size_t tiles = static_cast<std::size_t>(bp.slots) * pr.HV;
   const std::size_t rows = static_cast<std::size_t>(bp.rows) * pr.HV;
   const std::size_t K = pr.K, V = pr.V, f = sizeof(float);
-  std::size_t off = align(bp.fwd.total);
-  bp.off_tm = off;    off = align(off + tiles * C * C * f);
-  bp.off_out = off;   off = align(off + rows * V * dtype_size(p.in.q.dtype));  // the prepare zeroes its padded tail
-  if (bp.recompute_states) {
-    bp.off_h = off;   off = align(off + tiles * K * V * f);
+  std::vector<LivePart> parts;
+  for (const WorkspacePart& w : forward_workspace_parts(bp.fwd, pr)) {
+    // Chunk offsets: read by every backward kernel. w and u: read by the WY pass; qg, kg, Aqk (hi, lo) and gamma: by
+    // the scan. The rest (segment buffers, the sequence order) serve the forward's launches alone.
+    const ForwardLaunch& fl = bp.fwd;
+    int last = kBwdForward;
+    if (w.off == &fl.off_offsets) last = kBwdParams;
+    else if (w.off == &fl.off_w || w.off == &fl.off_u) last = kBwdWy;
+    else if (w.off == &fl.off_qg || w.off == &fl.off_kg || w.off == &fl.off_a || w.off == &fl.off_alo ||
+             w.off == &fl.off_gam) last = kBwdScan;
+    parts.push_back({w.off, w.bytes, kBwdForward, last});
   }
-  bp.off_dh = off;    off = align(off + tiles * K * V * f);
-  bp.off_dvnew = off; off = align(off + tiles * C * V * f);
-  bp.off_vnew = off;  off = align(off + tiles * C * V * f);
-  bp.off_dbv = off;   off = align(off + tiles * C * V * f);
-  bp.off_dP = off;    off = align(off + tiles * C * C * f);
-  bp.off_dL = off;    off = align(off + tiles * C * C * f);
-  bp.off_dq = off;    off = align(off + rows * K * f);
-  bp.off_dk = off;    off = align(off + rows * K * f);
-  bp.off_dkg = off;   off = align(off + rows * K * f);
-  bp.off_dgam = off;  off = align(off + tiles * K * f);
-  bp.off_dbeta = off; off = align(off + rows * (1 + bp.nks) * f);
-  bp.off_dA = off;    off = align(off + tiles * bp.nks * f);
-  bp.off_ddt = off;   off = align(off + tiles * K * f);
-  bp.total = off;
+  parts.push_back({&bp.off_tm, tiles * C * C * f, kBwdForward, kBwdWy});
+  parts.push_back({&bp.off_out, rows * V * dtype_size(p.in.q.dtype), kBwdForward, kBwdForward});
+  if (bp.recompute_states) parts.push_back({&bp.off_h, tiles * K * V * f, kBwdForward, kBwdStates});
+  parts.push_back({&bp.off_dh, tiles * K * V * f, kBwdScan, kBwdStates});
+  parts.push_back({&bp.off_dvnew, tiles * C * V * f, kBwdScan, kBwdWy});
+  parts.push_back({&bp.off_vnew, tiles * C * V * f, kBwdWy, kBwdStates});
+  parts.push_back({&bp.off_dbv, tiles * C * V * f, kBwdWy, kBwdStates});
+  parts.push_back({&bp.off_dP, tiles * C * C * f, kBwdWy, kBwdGrad});
+  parts.push_back({&bp.off_dL, tiles * C * C * f, kBwdWy, kBwdGrad});
+  parts.push_back({&bp.off_dq, rows * K * f, kBwdStates, kBwdTokens});
+  parts.push_back({&bp.off_dk, rows * K * f, kBwdStates, kBwdTokens});
+  parts.push_back({&bp.off_dkg, rows * K * f, kBwdStates, kBwdGrad});
+  parts.push_back({&bp.off_dgam, tiles * K * f, kBwdStates, kBwdGrad});
+  parts.push_back({&bp.off_dbeta, rows * (1 + bp.nks) * f, kBwdWy, kBwdTokens});
+  parts.push_back({&bp.off_dA, tiles * bp.nks * f, kBwdGrad, kBwdParams});
+  parts.push_back({&bp.off_ddt, tiles * K * f, kBwdGrad, kBwdParams});
+  bp.total = place_parts(parts);
   return bp;
 }
 

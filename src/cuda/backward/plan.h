@@ -15,9 +15,15 @@
 
 namespace kdakit::cuda {
 
+// The launches of a backward call in stream order, the steps of the workspace parts' lives: the forward's (chunk
+// offsets, prepare with Tm, the state pass: one step), the reverse scan, the WY pass, the products with the states,
+// the gradient kernel, the token reductions, the parameter reductions.
+enum BwdStep : int { kBwdForward, kBwdScan, kBwdWy, kBwdStates, kBwdGrad, kBwdTokens, kBwdParams };
+
 struct BackwardLaunch {
   // The forward's launch plan for the same inputs: its chunk offsets, prepare (whose tiles the scan reads, and Tm)
-  // and, when recompute_states, the recurrence that writes the chunk-start states. Its workspace comes first.
+  // and, when recompute_states, the recurrence that writes the chunk-start states. Its workspace parts' offsets
+  // (fwd.off_*) are placed in the backward's workspace with the parts below; fwd.total stays the forward's own.
   ForwardLaunch fwd;
   bool recompute_states = true;  // false: BackwardParams::chunk_states are read instead
   int64_t slots = 0;     // chunk slots (fwd.slots): an upper bound of the chunks
@@ -27,19 +33,31 @@ struct BackwardLaunch {
   int scan_ring = 2;     // the scan's stage slots: 1 (no prefetch) to kBwdScanMaxRing
   int nks = 1;           // 16-key slices of the gradient kernel
   BackwardSmem smem;
-  // Workspace parts after the forward's (byte offsets, 256-byte aligned) and the total:
-  //   tm [slot][HV][C][C] f32         Tm, from the prepare kernel
-  //   out [B,T,HV,V] q's dtype        the forward kernels' outputs (unused)
-  //   h [slot][HV][K*V] f32           chunk-start states (recompute_states only; the layout of BackwardParams::layout)
-  //   dh [slot][HV][K][V] f32         gradient of every chunk's end state (the reverse scan)
-  //   dvnew, vnew, dbv [slot][HV][C][V] f32
-  //   dP, dL [slot][HV][C][C] f32
-  //   dq, dk [row][HV][K] f32         per-v-head q/k gradients, before the GVA sum and the L2 norm's backward (first
-  //                                   their state parts, dqg and dkbg, from the state products)
-  //   dkg [row][HV][K] f32            the state products' dkg = v_new dH^T
-  //   dgam [slot][HV][K] f32          rowsum(S dH), the state decay's part of the gate gradient
-  //   dbeta [row][HV][1 + nks] f32    beta's gradient in parts (the value side, then each key slice)
-  //   dA [slot][HV][nks] f32, ddt [slot][HV][K] f32   per-chunk partial sums of dA_log and ddt_bias
+  // Workspace parts (byte offsets, 256-byte aligned), each with its life in BwdSteps [first write, last read]:
+  //   chunk offsets (fwd)                                  forward .. params
+  //   w, u (fwd) [slot][HV][C][KP|VP] operand dtype        forward .. WY
+  //   qg, kg, Aqk, Aqk lo, gamma (fwd)                     forward .. scan
+  //   segment offsets and states, sequence order (fwd)     forward
+  //   tm [slot][HV][C][C] f32         Tm, from the prepare kernel                      forward .. WY
+  //   out [B,T,HV,V] q's dtype        the forward kernels' outputs (unused)            forward
+  //   h [slot][HV][K*V] f32           chunk-start states (recompute_states only; the   forward .. state products
+  //                                   layout of BackwardParams::layout)
+  //   dh [slot][HV][K][V] f32         gradient of every chunk's end state              scan .. state products
+  //   dvnew [slot][HV][C][V] f32      the scan's dv_new                                scan .. WY
+  //   vnew, dbv [slot][HV][C][V] f32                                                   WY .. state products
+  //   dP, dL [slot][HV][C][C] f32                                                      WY .. grad
+  //   dq, dk [row][HV][K] f32         per-v-head q/k gradients, before the GVA sum     state products .. tokens
+  //                                   and the L2 norm's backward (first their state
+  //                                   parts, dqg and dkbg, from the state products)
+  //   dkg [row][HV][K] f32            the state products' dkg = v_new dH^T             state products .. grad
+  //   dgam [slot][HV][K] f32          rowsum(S dH), the state decay's gate part        state products .. grad
+  //   dbeta [row][HV][1 + nks] f32    beta's gradient in parts (the value side from    WY .. tokens
+  //                                   the WY pass, then each key slice)
+  //   dA [slot][HV][nks] f32, ddt [slot][HV][K] f32   per-chunk partial sums           grad .. params
+  // Placement: first fit, largest part first (ties: earlier born, then the order above), each part at the lowest
+  // offset where it shares no byte with a placed part whose life overlaps its own (inclusive: a kernel's inputs and
+  // outputs never alias). Parts that die early (the prepare's tiles, Tm, out, dvnew, the forward's scratch) give their
+  // bytes to parts born later. Deterministic; the total never exceeds the parts laid end to end.
   std::size_t off_tm = 0, off_out = 0, off_h = 0, off_dh = 0, off_dvnew = 0, off_vnew = 0, off_dbv = 0, off_dP = 0,
               off_dL = 0, off_dq = 0, off_dk = 0, off_dkg = 0, off_dgam = 0, off_dbeta = 0, off_dA = 0, off_ddt = 0;
   std::size_t total = 0;

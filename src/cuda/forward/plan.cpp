@@ -134,18 +134,7 @@ ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& pl
   fp.cfg.BV = bv;
   fp.ordered = pr.varlen && fp.seg_target == 1 && pr.N > 1 && pr.N <= kMaxOrdered;
 
-  // The workspace.
-  auto align = [](std::size_t x) { return (x + 255) & ~std::size_t(255); };
-  const std::size_t tiles = static_cast<std::size_t>(fp.slots) * pr.HV;
-  std::size_t off = 0;
-  fp.off_offsets = off; off = align(off + 8 * (pr.N + 1));
-  fp.off_w = off;  off = align(off + tiles * C * fp.cfg.KP * fp.esz);
-  fp.off_qg = off; off = align(off + tiles * C * fp.cfg.KP * fp.esz);
-  fp.off_kg = off; off = align(off + tiles * C * fp.cfg.KP * fp.esz);
-  fp.off_u = off;  off = align(off + tiles * C * fp.VP * fp.esz);
-  fp.off_a = off;  off = align(off + tiles * C * C * fp.esz);
-  if (fp.esz == 2) { fp.off_alo = off; off = align(off + tiles * C * C * fp.esz); }  // Aqk's lo half
-  fp.off_gam = off; off = align(off + tiles * fp.cfg.KP * 4);
+  // The workspace: segment slots first (their count sizes a part), then the parts one after another.
   fp.segments = pr.N;
   fp.cp_phase = static_cast<int>(p.cp_phase);
   if (fp.seg_target > 1 || fp.cp_phase != 0) {
@@ -158,15 +147,33 @@ ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& pl
       fp.segments = pr.N + (fp.seg_min_chunks > 0 ? fp.slots / fp.seg_min_chunks : 0);
     }
     fp.seg_ld = static_cast<int>((pr.V + bv - 1) / bv * bv + fp.cfg.KP);
-    fp.off_seg_offsets = off; off = align(off + 8 * (pr.N + 1));
-    fp.off_seg = off; off = align(off + static_cast<std::size_t>(fp.segments) * pr.HV * fp.cfg.KP * fp.seg_ld * 4);
   }
-  if (fp.ordered) {
-    fp.off_order = off;
-    off = align(off + 4 * static_cast<std::size_t>(pr.N));
+  std::size_t off = 0;
+  for (const WorkspacePart& part : forward_workspace_parts(fp, pr)) {
+    *part.off = off;
+    off = (off + part.bytes + 255) & ~std::size_t(255);
   }
   fp.total = off;
   return fp;
+}
+
+std::vector<WorkspacePart> forward_workspace_parts(ForwardLaunch& fp, const Problem& pr) {
+  const std::size_t tiles = static_cast<std::size_t>(fp.slots) * pr.HV, C = fp.cfg.chunk, KP = fp.cfg.KP;
+  const std::size_t offsets = 8 * static_cast<std::size_t>(pr.N + 1);
+  std::vector<WorkspacePart> parts = {{&fp.off_offsets, offsets},
+                                      {&fp.off_w, tiles * C * KP * fp.esz},
+                                      {&fp.off_qg, tiles * C * KP * fp.esz},
+                                      {&fp.off_kg, tiles * C * KP * fp.esz},
+                                      {&fp.off_u, tiles * C * fp.VP * fp.esz},
+                                      {&fp.off_a, tiles * C * C * fp.esz}};
+  if (fp.esz == 2) parts.push_back({&fp.off_alo, tiles * C * C * fp.esz});  // Aqk's lo half
+  parts.push_back({&fp.off_gam, tiles * KP * 4});
+  if (fp.seg_ld > 0) {
+    parts.push_back({&fp.off_seg_offsets, offsets});
+    parts.push_back({&fp.off_seg, static_cast<std::size_t>(fp.segments) * pr.HV * KP * fp.seg_ld * 4});
+  }
+  if (fp.ordered) parts.push_back({&fp.off_order, 4 * static_cast<std::size_t>(pr.N)});
+  return parts;
 }
 
 }  // namespace kdakit::cuda

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "common/plan.h"
 #include "cuda/device.h"
@@ -32,6 +33,17 @@ struct ForwardLaunch {
   std::size_t off_seg_offsets = 0, off_seg = 0, off_order = 0;
   std::size_t total = 0;
 };
+
+// One part of a workspace: the field that takes its byte offset, and its bytes.
+struct WorkspacePart {
+  std::size_t* off;
+  std::size_t bytes;
+};
+
+// The forward's workspace parts in its own layout order (chunk offsets first), sized from fp's shape fields (slots,
+// cfg, VP, esz, segments, seg_ld, ordered). The forward lays them out one after another; the backward places them
+// among its own parts (backward/plan.h).
+std::vector<WorkspacePart> forward_workspace_parts(ForwardLaunch& fp, const Problem& pr);
 
 // Throws InvalidArgument for inputs the kernels do not take and CudaError where no tile fits the shared memory.
 ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& plan, const DeviceInfo& device,

@@ -3,7 +3,7 @@
 // workspace layout and the dtype checks, for device facts given here (no GPU, no environment overrides).
 #include <gtest/gtest.h>
 
-#include <algorithm>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -66,34 +66,78 @@ struct BackwardCase {
   }
 };
 
-// Every part of the workspace is 256-byte aligned, holds its bytes, overlaps no other, and comes after the forward's.
-void expect_workspace_layout(const BackwardLaunch& b, const BackwardParams& p, const Problem& pr) {
+// The launches of a backward call in stream order (backward/run.cu, launch.cuh), written here apart from the planner:
+// the forward (chunk offsets, prepare, state pass), the scan, the WY pass, the state products, the gradient kernel,
+// the token and the parameter reductions.
+enum Step { kFwd, kScan, kWy, kStates, kGrad, kTokens, kParams };
+
+struct Part {
+  std::size_t off, bytes;
+  Step first, last;  // first write, last read
+  const char* name;
+};
+
+// The workspace's parts with their sizes and lives, from the kernels' reads and writes.
+std::vector<Part> workspace_parts(const BackwardLaunch& b, const BackwardParams& p, const Problem& pr) {
+  const cuda::ForwardLaunch& f = b.fwd;
   const std::size_t C = p.chunk_size, tiles = static_cast<std::size_t>(b.slots) * pr.HV;
-  const std::size_t rows = static_cast<std::size_t>(b.rows) * pr.HV, K = pr.K, V = pr.V;
-  struct Part { std::size_t off, bytes; const char* name; };
-  std::vector<Part> parts = {{b.off_tm, tiles * C * C * 4, "Tm"},
-                             {b.off_out, rows * V * dtype_size(p.in.q.dtype), "forward outputs"},
-                             {b.off_dh, tiles * K * V * 4, "dh"},
-                             {b.off_dvnew, tiles * C * V * 4, "dv_new"},
-                             {b.off_vnew, tiles * C * V * 4, "v_new"},
-                             {b.off_dbv, tiles * C * V * 4, "dbv"},
-                             {b.off_dP, tiles * C * C * 4, "dP"},
-                             {b.off_dL, tiles * C * C * 4, "dL"},
-                             {b.off_dq, rows * K * 4, "dq"},
-                             {b.off_dk, rows * K * 4, "dk"},
-                             {b.off_dkg, rows * K * 4, "dkg"},
-                             {b.off_dgam, tiles * K * 4, "rowsum(S dH)"},
-                             {b.off_dbeta, rows * (1 + b.nks) * 4, "dbeta"},
-                             {b.off_dA, tiles * b.nks * 4, "dA_log"},
-                             {b.off_ddt, tiles * K * 4, "ddt_bias"}};
-  if (b.recompute_states) parts.push_back({b.off_h, tiles * K * V * 4, "chunk states"});
-  std::sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) { return x.off < y.off; });
-  EXPECT_GE(parts.front().off, b.fwd.total) << "the forward's workspace comes first";
-  for (std::size_t i = 0; i < parts.size(); ++i) {
-    EXPECT_EQ(parts[i].off % 256, 0u) << parts[i].name;
-    const std::size_t end = parts[i].off + parts[i].bytes;
-    EXPECT_LE(end, i + 1 < parts.size() ? parts[i + 1].off : b.total) << parts[i].name << " overlaps the next part";
+  const std::size_t rows = static_cast<std::size_t>(b.rows) * pr.HV, K = pr.K, V = pr.V, KP = f.cfg.KP;
+  std::vector<Part> parts = {{f.off_offsets, 8 * std::size_t(pr.N + 1), kFwd, kParams, "chunk offsets"},
+                             {f.off_w, tiles * C * KP * f.esz, kFwd, kWy, "w"},
+                             {f.off_qg, tiles * C * KP * f.esz, kFwd, kScan, "qg"},
+                             {f.off_kg, tiles * C * KP * f.esz, kFwd, kScan, "kg"},
+                             {f.off_u, tiles * C * f.VP * f.esz, kFwd, kWy, "u"},
+                             {f.off_a, tiles * C * C * f.esz, kFwd, kScan, "Aqk"},
+                             {f.off_gam, tiles * KP * 4, kFwd, kScan, "gamma"},
+                             {b.off_tm, tiles * C * C * 4, kFwd, kWy, "Tm"},
+                             {b.off_out, rows * V * dtype_size(p.in.q.dtype), kFwd, kFwd, "forward outputs"},
+                             {b.off_dh, tiles * K * V * 4, kScan, kStates, "dh"},
+                             {b.off_dvnew, tiles * C * V * 4, kScan, kWy, "dv_new"},
+                             {b.off_vnew, tiles * C * V * 4, kWy, kStates, "v_new"},
+                             {b.off_dbv, tiles * C * V * 4, kWy, kStates, "dbv"},
+                             {b.off_dP, tiles * C * C * 4, kWy, kGrad, "dP"},
+                             {b.off_dL, tiles * C * C * 4, kWy, kGrad, "dL"},
+                             {b.off_dq, rows * K * 4, kStates, kTokens, "dq"},
+                             {b.off_dk, rows * K * 4, kStates, kTokens, "dk"},
+                             {b.off_dkg, rows * K * 4, kStates, kGrad, "dkg"},
+                             {b.off_dgam, tiles * K * 4, kStates, kGrad, "rowsum(S dH)"},
+                             {b.off_dbeta, rows * (1 + b.nks) * 4, kWy, kTokens, "dbeta"},
+                             {b.off_dA, tiles * b.nks * 4, kGrad, kParams, "dA_log"},
+                             {b.off_ddt, tiles * K * 4, kGrad, kParams, "ddt_bias"}};
+  if (f.esz == 2) parts.push_back({f.off_alo, tiles * C * C * f.esz, kFwd, kScan, "Aqk lo"});
+  if (f.seg_ld > 0) {
+    parts.push_back({f.off_seg_offsets, 8 * std::size_t(pr.N + 1), kFwd, kFwd, "segment offsets"});
+    parts.push_back({f.off_seg, std::size_t(f.segments) * pr.HV * KP * f.seg_ld * 4, kFwd, kFwd, "segment states"});
   }
+  if (f.ordered) parts.push_back({f.off_order, 4 * std::size_t(pr.N), kFwd, kFwd, "order"});
+  if (b.recompute_states) parts.push_back({b.off_h, tiles * K * V * 4, kFwd, kStates, "chunk states"});
+  return parts;
+}
+
+// The parts laid end to end, 256-byte aligned: the workspace without sharing.
+std::size_t unshared_total(const std::vector<Part>& parts) {
+  std::size_t t = 0;
+  for (const Part& x : parts) t += (x.bytes + 255) / 256 * 256;
+  return t;
+}
+
+// Every part of the workspace is 256-byte aligned and inside the total, and shares no byte with a part live during
+// any of the same launches; the total is at most the unshared one.
+void expect_workspace_layout(const BackwardLaunch& b, const BackwardParams& p, const Problem& pr) {
+  const std::vector<Part> parts = workspace_parts(b, p, pr);
+  for (const Part& x : parts) {
+    EXPECT_EQ(x.off % 256, 0u) << x.name;
+    EXPECT_LE(x.off + x.bytes, b.total) << x.name << " ends past the workspace";
+  }
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    for (std::size_t j = i + 1; j < parts.size(); ++j) {
+      const Part &x = parts[i], &y = parts[j];
+      const bool together = x.first <= y.last && y.first <= x.last;
+      const bool shared = x.bytes > 0 && y.bytes > 0 && x.off < y.off + y.bytes && y.off < x.off + x.bytes;
+      EXPECT_FALSE(together && shared) << x.name << " and " << y.name << " live at once in the same bytes";
+    }
+  }
+  EXPECT_LE(b.total, unshared_total(parts));
 }
 
 TEST(BackwardPlan, RunsTheForwardsPlanAndRecomputesTheStates) {
@@ -213,6 +257,66 @@ TEST(BackwardPlan, KernelDtypesAreChecked) {
   } catch (const InvalidArgument& e) {
     EXPECT_EQ(std::string(e.what()).rfind("v:", 0), 0u) << e.what();
   }
+}
+
+TEST(BackwardPlan, WorkspacePartsLiveAtOnceNeverShareBytes) {
+  for (const DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (const int chunk : {32, 64}) {
+      for (const int64_t K : {16, 60, 100, 128, 256}) {
+        for (const int64_t V : {16, 60, 100, 128, 256}) {
+          for (const bool saved : {false, true}) {
+            BackwardCase c(2, 300, 2, 4, K, V, dt, chunk);  // GVA: 2 q/k heads, 4 v-heads
+            if (saved) c.p.chunk_states = device_view(DType::kFloat32, {2, (300 + chunk - 1) / chunk, 4, K, V});
+            SCOPED_TRACE(std::string(dtype_name(dt)) + " chunk " + std::to_string(chunk) + " K " +
+                         std::to_string(K) + " V " + std::to_string(V) + (saved ? " saved" : ""));
+            const BackwardLaunch b = c.launch();
+            EXPECT_EQ(b.recompute_states, !saved);
+            expect_workspace_layout(b, c.p, c.plan().pr);
+          }
+        }
+      }
+    }
+  }
+  // Varlen (ordered sequences; lengths known on the host or not), and context-parallel segments (few heads, long
+  // sequences), with and without saved states.
+  for (const bool host : {true, false}) {
+    const BackwardCase v({1, 15, 0, 64, 65, 300, 4097}, 2, host);
+    expect_workspace_layout(v.launch(), v.p, v.plan().pr);
+  }
+  for (const int chunk : {32, 64}) {
+    BackwardCase c(1, 65536, 2, 2, 128, 128, DType::kBFloat16, chunk);
+    BackwardLaunch b = c.launch();
+    EXPECT_GT(b.fwd.seg_ld, 0) << "segment buffers in the workspace";
+    expect_workspace_layout(b, c.p, c.plan().pr);
+    c.p.chunk_states = device_view(DType::kFloat32, {1, 65536 / chunk, 2, 128, 128});
+    b = c.launch();
+    expect_workspace_layout(b, c.p, c.plan().pr);
+  }
+}
+
+TEST(BackwardPlan, SharingShrinksTheWorkspace) {
+  struct Shape { int64_t B, T, H; };
+  for (const Shape& s : {Shape{1, 8192, 64}, Shape{8, 4096, 32}, Shape{1, 65536, 8}}) {
+    const BackwardCase c(s.B, s.T, s.H);
+    const BackwardLaunch b = c.launch();
+    const std::vector<Part> parts = workspace_parts(b, c.p, c.plan().pr);
+    const std::size_t before = unshared_total(parts);
+    EXPECT_LT(b.total, before);
+    // The parts live during the state products bound it below: h, dh, v_new, dbv, dP, dL, dq, dk, dkg, rowsum(S dH),
+    // dbeta and the chunk offsets.
+    std::size_t peak = 0;
+    for (const Part& x : parts) {
+      if (x.first <= kStates && kStates <= x.last) peak += x.bytes;
+    }
+    std::printf("B%lld T%lld H%lld bf16 K=V=128: workspace %zu bytes, %zu unshared (%zu saved), %zu live at once\n",
+                static_cast<long long>(s.B), static_cast<long long>(s.T), static_cast<long long>(s.H), b.total, before,
+                before - b.total, peak);
+    EXPECT_GE(b.total, peak);
+  }
+  // B1 T8192 H64: at least a fifth smaller.
+  const BackwardCase c(1, 8192, 64);
+  const BackwardLaunch b = c.launch();
+  EXPECT_LT(5 * b.total, 4 * unshared_total(workspace_parts(b, c.p, c.plan().pr)));
 }
 
 }  // namespace
