@@ -54,7 +54,7 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
   }
   bp.vt = static_cast<int>((pr.V + bp.scan_bv - 1) / bp.scan_bv);
   bp.smem = backward_smem(C, KP, bwd_scan_smem(esz, KP, bp.scan_bv, bp.scan_ring));
-  const std::size_t need = std::max({bp.smem.scan, bp.smem.wy, bp.smem.state, bp.smem.grad});
+  const std::size_t need = std::max({bp.smem.scan, bp.smem.wy, bp.smem.state, bp.smem.grad, bp.smem.merge});
   if (need > limit) {
     throw CudaError("kdakit: the CUDA backward's kernels need " + std::to_string(need) +
                     " bytes of shared memory per block with K = " + std::to_string(pr.K) + " (chunk_size " +
@@ -86,6 +86,11 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
   bp.off_dbeta = off; off = align(off + rows * (1 + bp.nks) * f);
   bp.off_dA = off;    off = align(off + tiles * bp.nks * f);
   bp.off_ddt = off;   off = align(off + tiles * K * f);
+  if (bp.fwd.seg_target > 1) {
+    bp.segments = bp.fwd.segments;
+    bp.seg_ld = bp.vt * bp.scan_bv + KP;
+    bp.off_seg = off; off = align(off + static_cast<std::size_t>(bp.segments) * pr.HV * KP * bp.seg_ld * f);
+  }
   bp.total = off;
   return bp;
 }

@@ -26,6 +26,10 @@ struct BackwardLaunch {
   int scan_bv = 64;      // the scan's value columns per CTA: 16, 32, 64 (BwdScanLayout)
   int scan_ring = 2;     // the scan's stage slots: 1 (no prefetch) to kBwdScanMaxRing
   int nks = 1;           // 16-key slices of the gradient kernel
+  // The scan's segments where the forward cuts a sequence (fwd.seg_target > 1; its segment table is read): segment
+  // slots (fwd.segments) and the row length of a slot, vt * scan_bv value columns then KP transition columns.
+  int64_t segments = 0;
+  int seg_ld = 0;
   BackwardSmem smem;
   // Workspace parts after the forward's (byte offsets, 256-byte aligned) and the total:
   //   tm [slot][HV][C][C] f32         Tm, from the prepare kernel
@@ -40,6 +44,9 @@ struct BackwardLaunch {
   //   dgam [slot][HV][K] f32          rowsum(S dH), the state decay's part of the gate gradient
   //   dbeta [row][HV][1 + nks] f32    beta's gradient in parts (the value side, then each key slice)
   //   dA [slot][HV][nks] f32, ddt [slot][HV][K] f32   per-chunk partial sums of dA_log and ddt_bias
+  //   seg [segment][HV][KP][seg_ld] f32 the scan's segment results (segments > 0 only): E_s, then the merged end
+  //                                   gradients, and M_s^T
+  std::size_t off_seg = 0;
   std::size_t off_tm = 0, off_out = 0, off_h = 0, off_dh = 0, off_dvnew = 0, off_vnew = 0, off_dbv = 0, off_dP = 0,
               off_dL = 0, off_dq = 0, off_dk = 0, off_dkg = 0, off_dgam = 0, off_dbeta = 0, off_dA = 0, off_ddt = 0;
   std::size_t total = 0;
