@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "cuda/common/args.h"
+#include "cuda/cp/segments.h"
 
 namespace kdakit::cuda {
 
@@ -28,6 +29,18 @@ struct BackwardArgs : KdaArgs {
   int nks = 1;                        // 16-key slices of the gradient kernel
   int64_t* chunk_offsets = nullptr;   // [N+1], the forward's chunk-offsets kernel
   int64_t num_slots = 0;              // chunk slots (an upper bound of the chunks)
+
+  // The reverse scan's segments: the forward's cut of the same call (ForwardArgs::seg_target; its chunk-offsets
+  // kernel wrote seg_offsets), so a sequence's cut depends on its own length only. Absent (seg_offsets null) where
+  // the forward cuts nothing: one scan per sequence.
+  int seg_target = 1, seg_min_chunks = 0;
+  const int64_t* seg_offsets = nullptr;  // [N+1]
+  int64_t num_segments = 0;              // segment slots (an upper bound of the segments)
+  float* ws_seg = nullptr;  // [segment][HV][KP][seg_ld] f32: columns [0, seg_ld - KP) E_s or a merged end gradient,
+  int seg_ld = 0;           // then M_s^T's K columns
+  __host__ __device__ __forceinline__ int64_t segments_of(int64_t nch, int64_t& per) const {
+    return cuda::segments_of(nch, seg_target, seg_min_chunks, per);
+  }
 
   // The forward's prepare tiles (Elem: bf16 for bf16 inputs, else float; the layouts of ForwardArgs).
   const void *ws_w = nullptr, *ws_qg = nullptr, *ws_kg = nullptr, *ws_u = nullptr, *ws_a = nullptr,

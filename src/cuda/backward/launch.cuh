@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "cuda/backward/grad_sm80.cuh"
+#include "cuda/backward/merge.cuh"
 #include "cuda/backward/plan.h"
 #include "cuda/backward/reduce.cuh"
 #include "cuda/backward/scan_sm80.cuh"
@@ -18,14 +19,29 @@
 
 namespace kdakit::cuda {
 
-// The reverse state scan at the plan's value tile (BwdScanLayout) and stage ring.
+// The reverse state scan at the plan's value tile (BwdScanLayout) and stage ring; where the forward cut sequences,
+// first the segments' pre-scan and the merge of their end gradients.
 template <typename Elem>
 void launch_backward_scan(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream_t stream) {
   auto launch = [&](auto kp_tag, auto bv_tag) {
     constexpr int KP = decltype(kp_tag)::value, BV = decltype(bv_tag)::value;
+    const int64_t rows = a.seg_offsets != nullptr ? a.num_segments : a.N;  // CTA rows: segments, or sequences
+    if (a.seg_offsets != nullptr) {
+      auto pre = backward_scan_kernel<Elem, KP, BV, true>;
+      set_dynamic_smem(reinterpret_cast<const void*>(pre), bl.smem.scan);
+      const int64_t ctas = rows * a.HV * (bl.vt + KP / BV);
+      pre<<<static_cast<unsigned>(ctas), bwd_scan_threads(BV), bl.smem.scan, stream>>>(a, bl.scan_ring);
+      check_launch("backward_scan_kernel (segment scan)");
+      static_assert(bwd_merge_smem(KP) == MergeLayout<KP>::bytes(), "the planner's merge size");
+      auto merge = backward_segment_merge_kernel<KP>;
+      set_dynamic_smem(reinterpret_cast<const void*>(merge), bl.smem.merge);
+      const int64_t mctas = int64_t(a.N) * a.HV * ((a.V + kMergeCols - 1) / kMergeCols);
+      merge<<<static_cast<unsigned>(mctas), kMergeThreads, bl.smem.merge, stream>>>(a);
+      check_launch("backward_segment_merge_kernel");
+    }
     auto scan = backward_scan_kernel<Elem, KP, BV>;
     set_dynamic_smem(reinterpret_cast<const void*>(scan), bl.smem.scan);
-    const int64_t ctas = int64_t(a.N) * a.HV * bl.vt;
+    const int64_t ctas = rows * a.HV * bl.vt;
     scan<<<static_cast<unsigned>(ctas), bwd_scan_threads(BV), bl.smem.scan, stream>>>(a, bl.scan_ring);
     check_launch("backward_scan_kernel");
   };

@@ -99,7 +99,7 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
   }
   bp.vt = static_cast<int>((pr.V + bp.scan_bv - 1) / bp.scan_bv);
   bp.smem = backward_smem(C, KP, bwd_scan_smem(esz, KP, bp.scan_bv, bp.scan_ring));
-  const std::size_t need = std::max({bp.smem.scan, bp.smem.wy, bp.smem.state, bp.smem.grad});
+  const std::size_t need = std::max({bp.smem.scan, bp.smem.wy, bp.smem.state, bp.smem.grad, bp.smem.merge});
   if (need > limit) {
     throw CudaError("kdakit: the CUDA backward's kernels need " + std::to_string(need) +
                     " bytes of shared memory per block with K = " + std::to_string(pr.K) + " (chunk_size " +
@@ -115,10 +115,12 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
   std::vector<LivePart> parts;
   for (const WorkspacePart& w : forward_workspace_parts(bp.fwd, pr)) {
     // Chunk offsets: read by every backward kernel. w and u: read by the WY pass; qg, kg, Aqk (hi, lo) and gamma: by
-    // the scan. The rest (segment buffers, the sequence order) serve the forward's launches alone.
+    // the scan, and so is the segment table where the scan runs in segments. The rest (the forward's segment states,
+    // the sequence order) serve the forward's launches alone.
     const ForwardLaunch& fl = bp.fwd;
     int last = kBwdForward;
     if (w.off == &fl.off_offsets) last = kBwdParams;
+    else if (w.off == &fl.off_seg_offsets && fl.seg_target > 1) last = kBwdScan;
     else if (w.off == &fl.off_w || w.off == &fl.off_u) last = kBwdWy;
     else if (w.off == &fl.off_qg || w.off == &fl.off_kg || w.off == &fl.off_a || w.off == &fl.off_alo ||
              w.off == &fl.off_gam) last = kBwdScan;
@@ -140,6 +142,12 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
   parts.push_back({&bp.off_dbeta, rows * (1 + bp.nks) * f, kBwdWy, kBwdTokens});
   parts.push_back({&bp.off_dA, tiles * bp.nks * f, kBwdGrad, kBwdParams});
   parts.push_back({&bp.off_ddt, tiles * K * f, kBwdGrad, kBwdParams});
+  if (bp.fwd.seg_target > 1) {  // the scan's segments: its pre-scan, merge and scan, all in the scan step
+    bp.segments = bp.fwd.segments;
+    bp.seg_ld = bp.vt * bp.scan_bv + KP;
+    parts.push_back({&bp.off_seg, static_cast<std::size_t>(bp.segments) * pr.HV * KP * bp.seg_ld * f, kBwdScan,
+                     kBwdScan});
+  }
   bp.total = place_parts(parts);
   return bp;
 }

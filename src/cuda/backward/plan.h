@@ -32,12 +32,17 @@ struct BackwardLaunch {
   int scan_bv = 64;      // the scan's value columns per CTA: 16, 32, 64 (BwdScanLayout)
   int scan_ring = 2;     // the scan's stage slots: 1 (no prefetch) to kBwdScanMaxRing
   int nks = 1;           // 16-key slices of the gradient kernel
+  // The scan's segments where the forward cuts a sequence (fwd.seg_target > 1; its segment table is read): segment
+  // slots (fwd.segments) and the row length of a slot, vt * scan_bv value columns then KP transition columns.
+  int64_t segments = 0;
+  int seg_ld = 0;
   BackwardSmem smem;
   // Workspace parts (byte offsets, 256-byte aligned), each with its life in BwdSteps [first write, last read]:
   //   chunk offsets (fwd)                                  forward .. params
   //   w, u (fwd) [slot][HV][C][KP|VP] operand dtype        forward .. WY
   //   qg, kg, Aqk, Aqk lo, gamma (fwd)                     forward .. scan
-  //   segment offsets and states, sequence order (fwd)     forward
+  //   segment offsets (fwd)                                forward (.. scan where the scan runs in segments)
+  //   segment states, sequence order (fwd)                 forward
   //   tm [slot][HV][C][C] f32         Tm, from the prepare kernel                      forward .. WY
   //   out [B,T,HV,V] q's dtype        the forward kernels' outputs (unused)            forward
   //   h [slot][HV][K*V] f32           chunk-start states (recompute_states only; the   forward .. state products
@@ -54,10 +59,13 @@ struct BackwardLaunch {
   //   dbeta [row][HV][1 + nks] f32    beta's gradient in parts (the value side from    WY .. tokens
   //                                   the WY pass, then each key slice)
   //   dA [slot][HV][nks] f32, ddt [slot][HV][K] f32   per-chunk partial sums           grad .. params
+  //   seg [segment][HV][KP][seg_ld] f32  the scan's segment results (segments > 0):    scan (pre-scan, merge, scan)
+  //                                   E_s, then the merged end gradients, and M_s^T
   // Placement: first fit, largest part first (ties: earlier born, then the order above), each part at the lowest
   // offset where it shares no byte with a placed part whose life overlaps its own (inclusive: a kernel's inputs and
   // outputs never alias). Parts that die early (the prepare's tiles, Tm, out, dvnew, the forward's scratch) give their
   // bytes to parts born later. Deterministic; the total never exceeds the parts laid end to end.
+  std::size_t off_seg = 0;
   std::size_t off_tm = 0, off_out = 0, off_h = 0, off_dh = 0, off_dvnew = 0, off_vnew = 0, off_dbv = 0, off_dP = 0,
               off_dL = 0, off_dq = 0, off_dk = 0, off_dkg = 0, off_dgam = 0, off_dbeta = 0, off_dA = 0, off_ddt = 0;
   std::size_t total = 0;

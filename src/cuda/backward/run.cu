@@ -84,6 +84,14 @@ void backward(const BackwardParams& p, const detail::Plan& plan, const BackwardL
   a.nks = bl.nks;
   a.chunk_offsets = reinterpret_cast<int64_t*>(ws + bl.fwd.off_offsets);
   a.num_slots = bl.slots;
+  if (bl.segments > 0) {  // the forward's chunk-offsets kernel wrote its segment table (forward_args)
+    a.seg_target = bl.fwd.seg_target;
+    a.seg_min_chunks = bl.fwd.seg_min_chunks;
+    a.seg_offsets = reinterpret_cast<const int64_t*>(ws + bl.fwd.off_seg_offsets);
+    a.num_segments = bl.segments;
+    a.ws_seg = reinterpret_cast<float*>(ws + bl.off_seg);
+    a.seg_ld = bl.seg_ld;
+  }
   a.ws_w = ws + bl.fwd.off_w;
   a.ws_qg = ws + bl.fwd.off_qg;
   a.ws_kg = ws + bl.fwd.off_kg;

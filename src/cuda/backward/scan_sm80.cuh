@@ -7,6 +7,15 @@
 // kg dS; dv_new goes there as the B operand of w^T dv_new. The forward's prepare tiles (Elem) arrive by cp.async in a
 // ring of stage slots (BwdScanLayout), dO through registers (any float dtype) one chunk ahead.
 //
+// Segments (BackwardArgs::seg_offsets: the forward's cut of a long sequence): CTAs per (segment, v-head, tile), the
+// transpose of the forward's context parallelism. SCAN = true, the pre-scan of every segment but the first: the value
+// tiles run from a zero end gradient (the last segment from dht) and give E_s, the start gradient; KP / BV extra
+// transition tiles run the same scan from the identity without dO (dv_new = kg dS, dS <- gamma dS - w^T dv_new) and
+// give M_s^T (every segment but the first and the last); both into ws_seg, nothing else written. A merge
+// (backward/merge.cuh) chains the end gradients; then SCAN = false scans each segment from its merged end gradient
+// (the last from dht), writing dh_c and dv_new, and segment 0 writes d_initial_state. Without a cut, one CTA runs
+// the whole sequence as before.
+//
 // Precision: bf16 operands keep dS as hi + lo tiles (two MMAs for kg dS: a state rounded once to bf16 would dominate
 // the error, as in the forward) and take Aqk's lo tile; dO and dv_new are bf16 operands. Float operands (float16 and
 // float32 inputs) are split into hi + lo everywhere (three MMAs). Accumulation is fp32 in a fixed order.
@@ -33,7 +42,7 @@ __device__ __forceinline__ void copy_scan_tile(Elem* dst, const Elem* src, int C
 
 constexpr int bwd_scan_threads(int BV) { return BwdScanLayout{2, 64, BV}.threads(); }
 
-template <typename Elem, int KP, int BV>
+template <typename Elem, int KP, int BV, bool SCAN = false>
 __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(const BackwardArgs a, const int ring) {
   constexpr BwdScanLayout L{static_cast<int>(sizeof(Elem)), KP, BV};
   using Op = Operand<Elem>;
@@ -46,17 +55,40 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
   static_assert(NT % BV == 0 && DO_PER * NT == kBwdMaxChunk * BV, "dO rows in whole passes of the CTA");
   const int C = a.chunk, K = a.K, V = a.V;
   const int VT = (V + BV - 1) / BV;
+  constexpr int XT = SCAN ? KP / BV : 0;  // transition tiles
   int64_t idx = blockIdx.x;
-  const int vt = static_cast<int>(idx % VT);
-  idx /= VT;
+  const int tile = static_cast<int>(idx % (VT + XT));
+  idx /= VT + XT;
   const int hv = static_cast<int>(idx % a.HV);
-  const int n = static_cast<int>(idx / a.HV);
+  const int64_t gseg = idx / a.HV;  // sequence, or segment slot where sequences are cut
+  const bool segmented = a.seg_offsets != nullptr;
+  int n = static_cast<int>(gseg);
+  int64_t seg = 0;
+  if (segmented) {
+    if (gseg >= a.seg_offsets[a.N]) return;
+    n = owner_of(a.seg_offsets, a.N, gseg);
+    seg = gseg - a.seg_offsets[n];
+  }
   int64_t b, t0, len;
   sequence(a, n, b, t0, len);
-  const int nch = static_cast<int>((len + C - 1) / C);
+  int nch = static_cast<int>((len + C - 1) / C);
+  int c_begin = 0, c_end = nch;  // this CTA's chunks
+  int64_t nseg = 1;
+  if (segmented) {
+    int64_t per;
+    nseg = a.segments_of(nch, per);
+    c_begin = static_cast<int>(seg * per);
+    c_end = static_cast<int>(min(static_cast<int64_t>(nch), c_begin + per));
+  }
+  const bool trans = SCAN && tile >= VT;
+  // The pre-scan skips segment 0 (its start gradient is the final scan's) and M of the last segment (it starts from
+  // dht, which needs no merge).
+  if (SCAN && (seg == 0 || (trans && seg == nseg - 1))) return;
+  const int vt = trans ? tile - VT : tile;
   const int64_t base = a.chunk_offsets[n];
   const int tid = threadIdx.x, warp = tid >> 5, w4 = warp & 3, cb = (warp >> 2) * HB;
-  const int v0 = vt * BV + cb;  // this warp's first value column
+  const int v0 = vt * BV + cb;  // this warp's first value column (key column of M^T in transition tiles)
+  auto seg_row = [&](int64_t g, int d) { return a.ws_seg + ((g * a.HV + hv) * KP + d) * a.seg_ld; };
   const bool dv_rows = 16 * w4 < C;
   const bool even_v = (V & 1) == 0;  // adjacent columns as one 8-byte store
 
@@ -82,12 +114,12 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
     s.gam = reinterpret_cast<float*>(s.aqk + (SPLIT ? 2 : 1) * kBwdMaxChunk * LDA);
     return s;
   };
-  // Phase h's tiles (chunk nch - 1 - h / P) as one commit group; an empty group past chunk 0, so that every phase
-  // waits for the same count.
+  // Phase h's tiles (chunk c_end - 1 - h / P) as one commit group; an empty group past chunk c_begin, so that every
+  // phase waits for the same count. Transition tiles take neither Aqk nor qg.
   const bool with_alo = SPLIT && a.ws_alo != nullptr;
   auto issue = [&](int h) {
-    const int ci = nch - 1 - h / P, p = h % P;
-    if (ci >= 0) {
+    const int ci = c_end - 1 - h / P, p = h % P;
+    if (ci >= c_begin) {
       constexpr int EPC = 16 / sizeof(Elem);
       const int64_t tile = a.tile(base + ci, hv);
       const Slot s = slot(h);
@@ -97,7 +129,7 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
         const Elem* ga = static_cast<const Elem*>(a.ws_a) + tile * C * C;
         const Elem* galo = static_cast<const Elem*>(a.ws_alo) + tile * C * C;
         const int AC = C / EPC;
-        for (int e = tid; e < C * AC; e += NT) {
+        for (int e = tid; e < (trans ? 0 : C * AC); e += NT) {
           const int r = e / AC, c = (e % AC) * EPC;
           cp_async16(s.aqk + r * LDA + c, ga + r * C + c);
           if (with_alo) cp_async16(s.alo + r * LDA + c, galo + r * C + c);
@@ -105,9 +137,9 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
         const float* gg = a.ws_gam + tile * KP;
         for (int e = tid; e < KP / 4; e += NT) cp_async16(s.gam + 4 * e, gg + 4 * e);
       } else if (P == 2) {
-        copy_scan_tile<Elem, KP, LDK, NT>(s.t0, ws_tile(a.ws_qg), C);
+        if (!trans) copy_scan_tile<Elem, KP, LDK, NT>(s.t0, ws_tile(a.ws_qg), C);
         copy_scan_tile<Elem, KP, LDK, NT>(s.t1, ws_tile(a.ws_w), C);
-      } else {
+      } else if (p == 2 || !trans) {
         copy_scan_tile<Elem, KP, LDK, NT>(s.t0, ws_tile(p == 1 ? a.ws_qg : a.ws_w), C);
       }
     }
@@ -165,21 +197,29 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
     }
   };
 
+  // The end gradient: dht (the sequence's last segment), the merged one (later segments: slot gseg + 1 holds it),
+  // zero (pre-scan value tiles of other segments) or the identity (transition tiles).
   FragC dS[MT][NTV];
+  const bool last = seg == nseg - 1;
   for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
     const int d = w4 * ROWS + row, v = v0 + col;
-    dS[mt][nt].x[e] = a.d_final.present() && d < K && v < V
-                          ? a.d_final.load(a.d_final.offset(n, hv, d, v, K, V, a.vk))
-                          : 0.f;
+    float x = 0.f;
+    if (trans) {
+      x = d == v && d < K ? 1.f : 0.f;
+    } else if (d < K && v < V) {
+      if (last) x = a.d_final.present() ? a.d_final.load(a.d_final.offset(n, hv, d, v, K, V, a.vk)) : 0.f;
+      else if (!SCAN) x = seg_row(gseg + 1, d)[v];
+    }
+    dS[mt][nt].x[e] = x;
   });
 
-  if (nch > 0) {
-    load_dO(nch - 1);
-    store_dO(nch - 1);
+  if (c_end > c_begin && !trans) {
+    load_dO(c_end - 1);
+    store_dO(c_end - 1);
   }
   for (int h = 0; h < ring - 1; ++h) issue(h);
-  for (int ci = nch - 1; ci >= 0; --ci) {
-    const int h0 = (nch - 1 - ci) * P;
+  for (int ci = c_end - 1; ci >= c_begin; --ci) {
+    const int h0 = (c_end - 1 - ci) * P;
     const int64_t tile = a.tile(base + ci, hv);
     const int nrows = static_cast<int>(min(static_cast<int64_t>(C), len - int64_t(ci) * C));
     const Elem* dO = sdO + (ci & 1) * kBwdMaxChunk * LDB + cb;
@@ -200,7 +240,7 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
           } else {
             Op::store2(sS + d * LDB + cb + col, x0, x1);
           }
-          if (d < K) store_pair(dh + int64_t(d) * V, v0 + col, x0, x1);
+          if (!SCAN && d < K) store_pair(dh + int64_t(d) * V, v0 + col, x0, x1);
         }
       });
     }
@@ -208,7 +248,7 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
     // Phase 0: dS <- gamma dS in the accumulators (its copy above feeds kg dS); dv_new = kg dS + Aqk^T dO for this
     // warp's 16 rows (Aqk is lower triangular: rows i take dO rows j >= i, from i's block on).
     Slot s = begin_phase(h0);
-    if (ci > 0) load_dO(ci - 1);
+    if (ci > c_begin && !trans) load_dO(ci - 1);
     {
       const int g = (tid & 31) >> 2;
       float gam[MT][2];
@@ -224,7 +264,7 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
 #pragma unroll
       for (int i = 0; i < NTV; ++i) dv[0][i].zero();
       warp_gemm<Elem, 1, NTV, false, true, SPLIT>(dv, s.t0, LDK, 16 * w4, sS + cb, LDB, 0, 0, KP / 16, NP, sSlo + cb);
-      const int ks = C / 16 - w4;
+      const int ks = trans ? 0 : C / 16 - w4;
       if (with_alo) warp_gemm<Elem, 1, NTV, true, true>(dv, s.alo, LDA, 16 * w4, dO, LDB, 0, 16 * w4, ks);
       warp_gemm<Elem, 1, NTV, true, true>(dv, s.aqk, LDA, 16 * w4, dO, LDB, 0, 16 * w4, ks);
       // Rows past the chunk are zero; -dv_new is the B operand of the update (an exact negation).
@@ -241,22 +281,28 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
           } else {
             Op::store2(sDv + r * LDB + cb + col, -x0, -x1);
           }
-          store_pair(dvn + int64_t(r) * V, v0 + col, x0, x1);
+          if (!SCAN) store_pair(dvn + int64_t(r) * V, v0 + col, x0, x1);
         }
       });
     }
 
     // The update's products for this warp's state rows: dS += qg^T dO, then dS += w^T (-dv_new).
     s = begin_phase(h0 + 1);
-    warp_gemm<Elem, MT, NTV, true, true>(dS, s.t0, LDK, w4 * ROWS, dO, LDB, 0, 0, C / 16);
+    warp_gemm<Elem, MT, NTV, true, true>(dS, s.t0, LDK, w4 * ROWS, dO, LDB, 0, 0, trans ? 0 : C / 16);
     if constexpr (P == 3) s = begin_phase(h0 + 2);
     warp_gemm<Elem, MT, NTV, true, true, SPLIT>(dS, P == 2 ? s.t1 : s.t0, LDK, w4 * ROWS, sDv + cb, LDB, 0, 0, C / 16,
                                                 NP, sDvlo + cb);
     // Chunk ci + 1 read the other dO buffer up to its phase 1, before the barrier that began this chunk.
-    if (ci > 0) store_dO(ci - 1);
+    if (ci > c_begin && !trans) store_dO(ci - 1);
   }
 
-  if (a.d_initial.present()) {
+  if (SCAN) {  // E_s (value tiles) or M_s^T (transition tiles, after the value columns)
+    const int col0 = trans ? a.seg_ld - KP : 0, ncols = trans ? K : V;
+    for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
+      const int d = w4 * ROWS + row, v = v0 + col;
+      if (d < K && v < ncols) seg_row(gseg, d)[col0 + v] = dS[mt][nt].x[e];
+    });
+  } else if (seg == 0 && a.d_initial.present()) {
     for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
       const int d = w4 * ROWS + row, v = v0 + col;
       if (d < K && v < V) a.d_initial.store(a.d_initial.offset(n, hv, d, v, K, V, a.vk), dS[mt][nt].x[e]);

@@ -117,13 +117,16 @@ constexpr std::size_t bwd_grad_smem(int C) {
                           10 * kBwdKSlice + 4 + kBwdRowGroups);
 }
 
+// The merge of the scan's segments (backward/merge.cuh, cp/merge.cuh's MergeLayout): S [KP][9] and M [KP][33] fp32.
+constexpr std::size_t bwd_merge_smem(int KP) { return sizeof(float) * (std::size_t(KP) * 9 + std::size_t(KP) * 33); }
+
 struct BackwardSmem {
-  std::size_t scan = 0, wy = 0, state = 0, grad = 0;
+  std::size_t scan = 0, wy = 0, state = 0, grad = 0, merge = 0;
 };
 
 // `scan`: bwd_scan_smem of the planner's scan tile.
 inline BackwardSmem backward_smem(int C, int KP, std::size_t scan) {
-  return {scan, bwd_wy_smem(C, KP), bwd_state_smem(C), bwd_grad_smem(C)};
+  return {scan, bwd_wy_smem(C, KP), bwd_state_smem(C), bwd_grad_smem(C), bwd_merge_smem(KP)};
 }
 
 }  // namespace kdakit::cuda

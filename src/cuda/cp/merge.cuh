@@ -22,10 +22,48 @@ struct MergeLayout {
   static constexpr size_t bytes() { return sizeof(float) * (KP * LDS + KP * LDM); }
 };
 
+// One merge step for this CTA's column `col`: Y = M X + E over keys [0, K), X's rows e < K from x_of(e), E's and M's
+// rows from row(d) (E at column col, M at columns [m_col0, m_col0 + K)), Y written over E. sS and sM are the
+// MergeLayout tiles, sS free on entry; the step ends with a barrier (Y visible to the CTA). The forward's
+// merge and the backward's (whose slots hold transposed transitions) share it.
+template <int KP, typename XOf, typename Row>
+__device__ __forceinline__ void merge_step(float* sS, float* sM, int K, int m_col0, int col, bool col_in, XOf&& x_of,
+                                           Row&& row) {
+  using L = MergeLayout<KP>;
+  constexpr int RG = kMergeThreads / kMergeCols, RPT = KP / RG;  // row groups; rows per thread
+  const int tid = threadIdx.x, j = tid % kMergeCols, rg = tid / kMergeCols;
+  for (int e = rg; e < KP; e += RG) sS[e * L::LDS + j] = col_in && e < K ? x_of(e) : 0.f;
+  float acc[RPT];
+#pragma unroll
+  for (int i = 0; i < RPT; ++i) {
+    const int d = rg + RG * i;
+    acc[i] = col_in && d < K ? row(d)[col] : 0.f;
+  }
+  for (int e0 = 0; e0 < K; e0 += kMergeKeys) {
+    __syncthreads();  // sS written; the previous block of M consumed
+    for (int x = tid; x < KP * kMergeKeys; x += kMergeThreads) {
+      const int d = x / kMergeKeys, e = x % kMergeKeys;  // a warp reads one row's 32 keys (128 bytes)
+      sM[d * L::LDM + e] = d < K && e0 + e < K ? row(d)[m_col0 + e0 + e] : 0.f;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int e = 0; e < kMergeKeys; ++e) {
+      const float sv = sS[(e0 + e) * L::LDS + j];
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) acc[i] = fmaf(sM[(rg + RG * i) * L::LDM + e], sv, acc[i]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < RPT; ++i) {
+    const int d = rg + RG * i;
+    if (col_in && d < K) row(d)[col] = acc[i];
+  }
+  __syncthreads();  // Y visible to the CTA before it is read as the next X
+}
+
 template <int KP>
 __global__ void __launch_bounds__(kMergeThreads) segment_merge_kernel(const ForwardArgs a) {
   using L = MergeLayout<KP>;
-  constexpr int RG = kMergeThreads / kMergeCols, RPT = KP / RG;  // row groups; rows per thread
   const int VT_cols = a.seg_ld - KP;  // value columns of a slot
   const int CB = (VT_cols + kMergeCols - 1) / kMergeCols;
   int64_t idx = blockIdx.x;
@@ -41,8 +79,7 @@ __global__ void __launch_bounds__(kMergeThreads) segment_merge_kernel(const Forw
   extern __shared__ __align__(16) char smem_raw[];
   float* sS = reinterpret_cast<float*>(smem_raw);  // [KP][LDS] S_start(s), this CTA's columns
   float* sM = sS + KP * L::LDS;                     // [KP][LDM] M_s, keys e0 .. e0 + kMergeKeys - 1
-  const int tid = threadIdx.x, j = tid % kMergeCols, rg = tid / kMergeCols;
-  const int col = cb * kMergeCols + j;
+  const int col = cb * kMergeCols + static_cast<int>(threadIdx.x) % kMergeCols;
   const bool col_in = col < a.V;
   auto row = [&](int64_t g, int d) { return a.ws_seg + ((g * a.HV + hv) * KP + d) * a.seg_ld; };
   const int64_t g0 = a.seg_offsets[n];
@@ -51,41 +88,11 @@ __global__ void __launch_bounds__(kMergeThreads) segment_merge_kernel(const Forw
   const bool seed = a.cp_phase == kCpFinish;
   for (int64_t s = seed ? 0 : 1; s + 1 < nseg; ++s) {
     const int64_t g = g0 + s;
-    if (s == 0) {
-      for (int e = rg; e < KP; e += RG) {
-        sS[e * L::LDS + j] = col_in && e < a.K && a.initial.present()
-                                 ? a.initial.load(a.initial.offset(0, hv, e, col, a.K, a.V, a.vk))
-                                 : 0.f;
-      }
-    } else {
-      for (int e = rg; e < KP; e += RG) sS[e * L::LDS + j] = col_in && e < a.K ? row(g - 1, e)[col] : 0.f;
-    }
-    float acc[RPT];
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) {
-      const int d = rg + RG * i;
-      acc[i] = col_in && d < a.K ? row(g, d)[col] : 0.f;
-    }
-    for (int e0 = 0; e0 < a.K; e0 += kMergeKeys) {
-      __syncthreads();  // sS written; the previous block of M consumed
-      for (int x = tid; x < KP * kMergeKeys; x += kMergeThreads) {
-        const int d = x / kMergeKeys, e = x % kMergeKeys;  // a warp reads one row's 32 keys (128 bytes)
-        sM[d * L::LDM + e] = d < a.K && e0 + e < a.K ? row(g, d)[VT_cols + e0 + e] : 0.f;
-      }
-      __syncthreads();
-#pragma unroll 8
-      for (int e = 0; e < kMergeKeys; ++e) {
-        const float sv = sS[(e0 + e) * L::LDS + j];
-#pragma unroll
-        for (int i = 0; i < RPT; ++i) acc[i] = fmaf(sM[(rg + RG * i) * L::LDM + e], sv, acc[i]);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) {
-      const int d = rg + RG * i;
-      if (col_in && d < a.K) row(g, d)[col] = acc[i];
-    }
-    __syncthreads();  // S_start(s+1) visible to the CTA before it is read as the next S_start
+    auto x_of = [&](int e) {
+      if (s > 0) return row(g - 1, e)[col];
+      return a.initial.present() ? a.initial.load(a.initial.offset(0, hv, e, col, a.K, a.V, a.vk)) : 0.f;
+    };
+    merge_step<KP>(sS, sM, a.K, VT_cols, col, col_in, x_of, [&](int d) { return row(g, d); });
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "common/plan.h"
 #include "cuda/backward/plan.h"
+#include "cuda/cp/segments.h"
 #include "cuda/device.h"
 #include "cuda/forward/plan.h"
 #include "cuda/tuning.h"
@@ -106,11 +107,16 @@ std::vector<Part> workspace_parts(const BackwardLaunch& b, const BackwardParams&
                              {b.off_ddt, tiles * K * 4, kGrad, kParams, "ddt_bias"}};
   if (f.esz == 2) parts.push_back({f.off_alo, tiles * C * C * f.esz, kFwd, kScan, "Aqk lo"});
   if (f.seg_ld > 0) {
-    parts.push_back({f.off_seg_offsets, 8 * std::size_t(pr.N + 1), kFwd, kFwd, "segment offsets"});
+    // The segment table: the scan reads it where it runs in segments.
+    parts.push_back({f.off_seg_offsets, 8 * std::size_t(pr.N + 1), kFwd, b.segments > 0 ? kScan : kFwd,
+                     "segment offsets"});
     parts.push_back({f.off_seg, std::size_t(f.segments) * pr.HV * KP * f.seg_ld * 4, kFwd, kFwd, "segment states"});
   }
   if (f.ordered) parts.push_back({f.off_order, 4 * std::size_t(pr.N), kFwd, kFwd, "order"});
   if (b.recompute_states) parts.push_back({b.off_h, tiles * K * V * 4, kFwd, kStates, "chunk states"});
+  if (b.segments > 0) {  // the scan's pre-scan, merge and scan
+    parts.push_back({b.off_seg, std::size_t(b.segments) * pr.HV * KP * b.seg_ld * 4, kScan, kScan, "scan segments"});
+  }
   return parts;
 }
 
@@ -153,6 +159,37 @@ TEST(BackwardPlan, RunsTheForwardsPlanAndRecomputesTheStates) {
   EXPECT_EQ(b.slots, 2 * 64);
   EXPECT_EQ(b.rows, 2 * 4096);
   expect_workspace_layout(b, c.p, c.plan().pr);
+}
+
+// Few heads and a long sequence: the forward cuts it, and the reverse scan takes the same cut (the forward's segment
+// table) with its own segment buffer: E_s over the scan's value tiles, then M_s^T.
+TEST(BackwardPlan, LongSequencesOfFewHeadsScanInSegments) {
+  for (const bool saved : {false, true}) {
+    BackwardCase c(1, 65536, 8);
+    if (saved) c.p.chunk_states = device_view(DType::kFloat32, {1, 1024, 8, 128, 128});
+    const BackwardLaunch b = c.launch();
+    ASSERT_GT(b.fwd.seg_target, 1) << "the forward cuts the sequence";
+    ASSERT_GT(b.fwd.seg_ld, 0) << "its segment table is in the workspace";
+    EXPECT_EQ(b.segments, b.fwd.segments);
+    int64_t per = 0;
+    EXPECT_EQ(b.segments, cuda::segments_of(1024, b.fwd.seg_target, b.fwd.seg_min_chunks, per));
+    EXPECT_GT(b.segments, 1);
+    EXPECT_EQ(b.seg_ld, b.vt * b.scan_bv + b.fwd.cfg.KP);
+    EXPECT_GE(b.seg_ld - b.fwd.cfg.KP, 128) << "every value column";
+    EXPECT_EQ(b.smem.merge, cuda::bwd_merge_smem(b.fwd.cfg.KP));
+    expect_workspace_layout(b, c.p, c.plan().pr);
+  }
+  // Many heads: no cut, no segment buffer.
+  const BackwardLaunch u = BackwardCase(1, 65536, 64).launch();
+  EXPECT_EQ(u.fwd.seg_target, 1);
+  EXPECT_EQ(u.segments, 0);
+  EXPECT_EQ(u.seg_ld, 0);
+  // Varlen with lengths unknown on the host: segment slots are the forward's bound.
+  const BackwardCase vc({40000, 20000, 100}, 4, false);
+  const BackwardLaunch v = vc.launch();
+  ASSERT_GT(v.fwd.seg_target, 1);
+  EXPECT_EQ(v.segments, v.fwd.segments);
+  expect_workspace_layout(v, vc.p, vc.plan().pr);
 }
 
 TEST(BackwardPlan, SavedStatesRunThePrepareOnly) {
