@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kBwdThreads) backward_grad_kernel(const Backwa
     s.red = take(kBwdRowGroups);
   }
 
-  // Rows: beta, the L2 norms (4 threads a row, over all K); the diagonal blocks' algorithm, from the largest anchor
+  // Rows: beta, the L2 norms (below, a warp a row, over all K); the diagonal blocks' algorithm, from the largest anchor
   // exponent over all keys (as the CPU decides it).
   for (int i = tid; i < C; i += kBwdThreads) {
     s.beta[i] = i < nrows ? math::beta_value(a.beta.load(a.beta.offset(ch.b, ch.row0 + i, hv)), a.beta_sigmoid,

@@ -2,9 +2,9 @@
 // forward's kernels, with the forward's layouts): the kernels carve their shared memory by them and the planner
 // (backward/plan.cpp) sizes the launches by them. Plain C++ (host and device).
 //
-// The reverse state scan (with its own tiles, BwdScanLayout), the WY pass and the gradient kernel's products with the
-// states run on tensor cores (src/cuda/common/sm80/mma.cuh); the gradient kernel's intra-chunk products and the
-// reductions run on CUDA cores in fp32.
+// The reverse state scan (with its own tiles, BwdScanLayout), the WY pass and the products with the states run on
+// tensor cores (src/cuda/common/sm80/mma.cuh); the gradient kernel's intra-chunk products and the reductions run on
+// CUDA cores in fp32.
 #pragma once
 
 #include <cstddef>
@@ -14,8 +14,7 @@ namespace kdakit::cuda {
 constexpr int kBwdThreads = 256;                     // every backward kernel's CTA
 constexpr int kBwdCols = 32;                         // value columns of a tile: one per lane
 constexpr int kBwdRowGroups = kBwdThreads / kBwdCols;  // warps; a warp takes the rows r = warp + 8 m of a tile
-constexpr int kBwdLd = kBwdCols + 1;                 // row stride of a [rows][32] fp32 tile (conflict-free columns)
-constexpr int kBwdKSlice = 16;                       // key dimensions per CTA of the gradient kernel
+constexpr int kBwdKSlice = 16;                       // key dimensions per slice of the gradient kernel
 constexpr int kBwdLdk = kBwdKSlice + 1;              // row stride of a [C][16] fp32 slice tile
 constexpr int kBwdMaxChunk = 64;
 
