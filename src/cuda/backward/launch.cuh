@@ -1,6 +1,7 @@
 // The launches of the backward's own kernels for one input dtype (instantiated per dtype in backward/instantiations/),
 // after the forward's prepare and state pass (backward/run.cu): the reverse state scan, the WY pass, the products with
-// the states, the gradient kernel and the reductions. bf16 inputs read the forward's bf16 tiles, float16 and float32 inputs its float tiles.
+// the states, the gradient kernel and the reductions. bf16 inputs read the forward's bf16 tiles, float16 and float32
+// inputs its float tiles.
 #pragma once
 
 #include <cuda_runtime.h>
