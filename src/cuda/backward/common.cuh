@@ -56,6 +56,48 @@ __device__ __forceinline__ float gate_at(const KdaArgs& a, const TokenRows& g, i
   return math::gate_value<float>(static_cast<int>(a.gate_mode), x, A, a.A_log.present(), a.lower_bound);
 }
 
+// Scans and sums over the 16 lanes of a half-warp, position p = lane & 15; every lane of the warp calls them (full-warp
+// shuffles), each half-warp scanning its own values. Fixed shuffle trees, so the same bits on every run.
+namespace half_warp {
+constexpr unsigned kAll = 0xffffffffu;
+__device__ __forceinline__ int position() { return threadIdx.x & 15; }
+// Inclusive: the sum over positions <= p.
+__device__ __forceinline__ float prefix(float v) {
+#pragma unroll
+  for (int d = 1; d < 16; d <<= 1) {
+    const float u = __shfl_up_sync(kAll, v, d, 16);
+    if (position() >= d) v += u;
+  }
+  return v;
+}
+// Inclusive: the sum over positions >= p.
+__device__ __forceinline__ float suffix(float v) {
+#pragma unroll
+  for (int d = 1; d < 16; d <<= 1) {
+    const float u = __shfl_down_sync(kAll, v, d, 16);
+    if (position() + d < 16) v += u;
+  }
+  return v;
+}
+// Position p's value moved to p + 1 (zero at 0), or to p - 1 (zero at 15): an inclusive scan made exclusive, or a
+// row's successor.
+__device__ __forceinline__ float from_previous(float v) {
+  const float u = __shfl_up_sync(kAll, v, 1, 16);
+  return position() > 0 ? u : 0.f;
+}
+__device__ __forceinline__ float from_next(float v) {
+  const float u = __shfl_down_sync(kAll, v, 1, 16);
+  return position() < 15 ? u : 0.f;
+}
+// The sum over the 16 positions, in every lane (the same bits: each butterfly step adds the same two values).
+__device__ __forceinline__ float sum(float v) {
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(kAll, v, o, 16);
+  return v;
+}
+__device__ __forceinline__ float at(float v, int p) { return __shfl_sync(kAll, v, p, 16); }
+}  // namespace half_warp
+
 // The sum of every thread's v over the block, the same bits on every run (warp butterflies, then the warps in order);
 // every thread gets it. `scratch` holds kBwdRowGroups floats; the call ends with a barrier.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {

@@ -161,45 +161,36 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
     });
     __syncthreads();
     // The sub-chunk sums (chunk_sums of the CPU), kept as the exponentials the products take: exp(lam) (inclusive
-    // prefix), exp(rho) (exclusive suffix), exp(+-sigma) (around the block's middle row; only read in factorised
-    // blocks, where |sigma| <= 64), exp(total).
-    for (int e = tid; e < NSUB * KS; e += kBwdThreads) {
-      const int blk = e / KS, dl = e % KS, s0 = 16 * blk, s1 = min(nrows, s0 + 16), m = s0 + min(8, s1 - s0 - 1);
-      float acc = 0.f;
-      for (int r = s0; r < s1; ++r) {
-        acc += s.g[r * LDK + dl];
-        s.el[r * LDK + dl] = expf(acc);
+    // prefix), exp(rho) (exclusive suffix), exp(+-sigma) (around the block's middle row m; only read in factorised
+    // blocks, where |sigma| <= 64), exp(total). A half-warp per (block, key), position p the block's row s0 + p: each
+    // sum is a scan of the gates themselves (never a difference of two scans), so a huge gate costs no precision.
+    for (int base = 0; base < NSUB * KS; base += kBwdThreads / 16) {  // the same trip count in every warp
+      const int e = base + (tid >> 4), p = half_warp::position();
+      const bool pair = e < NSUB * KS;
+      const int blk = e / KS, dl = e % KS, s0 = 16 * blk, cnt = pair ? min(16, nrows - s0) : 0, m = min(8, cnt - 1);
+      const int o = (s0 + p) * LDK + dl;
+      const float gv = p < cnt ? s.g[o] : 0.f, next = half_warp::from_next(gv);
+      const float lam = half_warp::prefix(gv);                         // sum over s0..p
+      const float rho = half_warp::suffix(next);                       // over p+1..
+      const float up = half_warp::prefix(p > m ? gv : 0.f);            // over m+1..p
+      const float down = half_warp::suffix(p + 1 <= m ? next : 0.f);   // over p+1..m
+      const float sigma = p > m ? up : p < m ? -down : 0.f;
+      if (p < cnt) {
+        s.el[o] = expf(lam);
+        s.er[o] = expf(rho);
+        s.es[o] = expf(sigma);
+        s.ies[o] = expf(-sigma);
       }
-      s.tot[blk * KS + dl] = acc;
-      s.etot[blk * KS + dl] = expf(acc);
-      acc = 0.f;
-      for (int r = s1 - 1; r >= s0; --r) {
-        s.er[r * LDK + dl] = expf(acc);
-        acc += s.g[r * LDK + dl];
-      }
-      auto put_sigma = [&](int r, float x) {
-        s.es[r * LDK + dl] = expf(x);
-        s.ies[r * LDK + dl] = expf(-x);
-      };
-      put_sigma(m, 0.f);
-      acc = 0.f;
-      float mx = 0.f;
-      for (int i = m + 1; i < s1; ++i) {
-        acc += s.g[i * LDK + dl];
-        put_sigma(i, acc);
-      }
-      mx = fmaxf(mx, -acc);
-      acc = 0.f;
-      for (int i = m - 1; i >= s0; --i) {
-        acc -= s.g[(i + 1) * LDK + dl];
-        put_sigma(i, acc);
-      }
-      mx = fmaxf(mx, acc);
       // The block's algorithm for this slice, from the largest anchor exponent over the slice's own keys: a slice's
       // products read only its own keys' exponentials, so the factorised form is exact wherever the slice's
       // exponents allow it, and the decision needs no pass over the other keys' gates. (The CPU decides per block
       // over all keys; both forms are exact to fp32 where they apply.)
-      atomicMax(&s.maxexp[blk], __float_as_int(mx));  // non-negative floats order as their bits
+      const float mx = fmaxf(0.f, fmaxf(-half_warp::at(up, 15), -half_warp::at(down, 0)));
+      if (pair && p == 15) {
+        s.tot[blk * KS + dl] = lam;  // the positions past the block's rows add zeros
+        s.etot[blk * KS + dl] = expf(lam);
+      }
+      if (pair && p == 0) atomicMax(&s.maxexp[blk], __float_as_int(mx));  // non-negative floats order as their bits
     }
     __syncthreads();
     if (tid < KS) {
@@ -252,19 +243,34 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
     }
     __syncthreads();
     // The gate gradient per key: the pairs' part, the chunk-start terms summed in reverse, the kg terms forward over
-    // the earlier rows, and the state's decay on every row (dg written over dgp).
-    if (tid < KS) {
-      const int dl = tid;
-      float rev = 0.f;
-      for (int r = nrows - 1; r >= 0; --r) {
-        rev += s.dG[r * LDK + dl];
-        s.dgp[r * LDK + dl] = s.dgp[r * LDK + dl] + rev;
+    // the earlier rows, and the state's decay on every row (dg written over dgp). A half-warp per key, position p
+    // holding the rows p R .. p R + R - 1.
+    {
+      constexpr int RMAX = kBwdMaxChunk / 16;
+      static_assert(kBwdThreads / 16 == KS, "a half-warp per key of the slice");
+      const int dl = tid >> 4, p = half_warp::position(), R = (C + 15) / 16, r0 = p * R;
+      float dG[RMAX], kg[RMAX], own_dG = 0.f, own_kg = 0.f;
+#pragma unroll
+      for (int i = 0; i < RMAX; ++i) {
+        const bool in = i < R && r0 + i < nrows;
+        dG[i] = in ? s.dG[(r0 + i) * LDK + dl] : 0.f;
+        kg[i] = in ? s.kgt[(r0 + i) * LDK + dl] : 0.f;
+        own_dG += dG[i];
+        own_kg += kg[i];
       }
-      float fwd = 0.f;
+      float rev = half_warp::from_next(half_warp::suffix(own_dG));     // the later positions' rows
+      float fwd = half_warp::from_previous(half_warp::prefix(own_kg));  // the earlier positions' rows
       const float last = s.gam[dl] * s.dgam[dl];
-      for (int r = 0; r < nrows; ++r) {
-        s.dgp[r * LDK + dl] += fwd + last;
-        fwd += s.kgt[r * LDK + dl];
+#pragma unroll
+      for (int i = RMAX - 1; i >= 0; --i) {  // rev: rows >= r
+        rev += dG[i];
+        dG[i] = rev;
+      }
+#pragma unroll
+      for (int i = 0; i < RMAX; ++i) {  // fwd: rows < r
+        const int o = (r0 + i) * LDK + dl;
+        if (i < R && r0 + i < nrows) s.dgp[o] = (s.dgp[o] + dG[i]) + (fwd + last);
+        fwd += kg[i];
       }
     }
     __syncthreads();
@@ -286,10 +292,12 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
     }
     dA = block_sum(dA, s.red);
     if (tid == 0) a.ws_dA[tile * a.nks + ks] = dA;
-    if (tid < KS && d0 + tid < K) {
+    {  // ddt_bias's part per key: a half-warp per key (block_sum's barriers have ordered the chain's writes)
+      const int dl = tid >> 4, p = half_warp::position();
       float acc = 0.f;
-      for (int r = 0; r < nrows; ++r) acc += s.dgp[r * LDK + tid];
-      a.ws_ddt[tile * K + d0 + tid] = acc;
+      for (int r = p; r < nrows; r += 16) acc += s.dgp[r * LDK + dl];
+      acc = half_warp::sum(acc);
+      if (p == 0 && d0 + dl < K) a.ws_ddt[tile * K + d0 + dl] = acc;
     }
   }
 }

@@ -273,34 +273,27 @@ __device__ __forceinline__ void intra_products(const GradSlice& s, const float* 
   }
   __syncthreads();
   // Per (block c, key): the pairs within c (the running total), c's rows over earlier blocks (i >= t), c's columns
-  // over later blocks (j < t), and the pairs between a later and an earlier block.
-  for (int e = threadIdx.x; e < NSUB * KS; e += kBwdThreads) {
-    const int c = e / KS, dl = e % KS, s0 = 16 * c, s1 = min(nrows, s0 + 16);
-    float around = 0.f;
-    for (int a_ = c + 1; a_ < NSUB; ++a_) {
-      const int a0 = 16 * a_, a1 = min(nrows, a0 + 16);
-      for (int b = 0; b < c; ++b) {
-        float wp = 0.f;
-        for (int i = a0; i < a1; ++i) wp += s.wc[(i * 3 + b) * KS + dl];
-        around += wp;
+  // over later blocks (j < t), and the pairs between a later and an earlier block. A half-warp per (c, key), position
+  // p the token t = 16 c + p.
+  for (int base = 0; base < NSUB * KS; base += kBwdThreads / 16) {  // the same trip count in every warp
+    const int e = base + (threadIdx.x >> 4), p = half_warp::position();
+    const bool pair = e < NSUB * KS;
+    const int c = e / KS, dl = e % KS, t = 16 * c + p, o = t * LDK + dl;
+    const bool in = pair && t < nrows;
+    float w = 0.f;  // this position's rows i = 16 a + p of every later block a, with every earlier block b
+    if (pair) {
+      for (int a_ = c + 1; a_ < NSUB; ++a_) {
+        const int i = 16 * a_ + p;
+        if (i >= nrows) continue;
+        for (int b = 0; b < c; ++b) w += s.wc[(i * 3 + b) * KS + dl];
       }
     }
-    float pairs = 0.f;
-    for (int t = s0; t < s1; ++t) {
-      const float leaving = s.dgp[t * LDK + dl];
-      s.dgp[t * LDK + dl] = pairs;
-      pairs += s.cpart[t * LDK + dl] - leaving;
-    }
-    float rev = 0.f;
-    for (int r = s1 - 1; r >= s0; --r) {
-      rev += s.arow[r * LDK + dl];
-      s.dgp[r * LDK + dl] += rev + around;
-    }
-    float fwd = 0.f;
-    for (int r = s0; r < s1; ++r) {
-      s.dgp[r * LDK + dl] += fwd;
-      fwd += s.bcol[r * LDK + dl];
-    }
+    const float around = half_warp::sum(w);
+    const float cp = in ? s.cpart[o] : 0.f, leaving = in ? s.dgp[o] : 0.f;
+    const float pairs = half_warp::from_previous(half_warp::prefix(cp - leaving));  // pairs spanning t
+    const float rev = half_warp::suffix(in ? s.arow[o] : 0.f);                       // rows i >= t of c
+    const float fwd = half_warp::from_previous(half_warp::prefix(in ? s.bcol[o] : 0.f));  // columns j < t of c
+    if (in) s.dgp[o] = pairs + (rev + around) + fwd;
   }
   __syncthreads();
 }
