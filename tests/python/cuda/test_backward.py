@@ -92,11 +92,13 @@ def grads(x, do, dht, *, dtype=torch.float32, device="cuda", chunk_size=64, disa
 
 
 def reference(x, do, dht, chunk_size=64, dtype=torch.float32):
-    """kdakit's float64 CPU backward on the inputs rounded to `dtype` (the values the CUDA call reads)."""
+    """kdakit's float64 CPU backward on the values the CUDA call reads: the inputs rounded to `dtype`, and do rounded
+    to `dtype` too, as autograd hands the CUDA backward (and FLA's) the cotangent of o in o's dtype, the inputs'. The
+    gradients of that rounded cotangent are what either library can be exact to."""
     y = dict(x)
     for n in ("q", "k", "v", "g", "beta"):
         y[n] = x[n].to(dtype)
-    return grads(y, do, dht, dtype=torch.float64, device="cpu", chunk_size=chunk_size)
+    return grads(y, do.to(dtype).to(do.dtype), dht, dtype=torch.float64, device="cpu", chunk_size=chunk_size)
 
 
 def errors(got, ref, x):
