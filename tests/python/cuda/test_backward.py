@@ -220,6 +220,24 @@ def test_bfloat16_no_worse_than_fla(seed, B, T, H, HV, K, V, gate, v_first):
         assert e <= theirs[n], f"d{n}: kdakit {e:.2e} > FLA {theirs[n]:.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segmented_reverse_scan(monkeypatch, seed, dtype):
+    """Few heads, long sequences: the reverse scan cut where the forward cuts (forced here to segments of >= 2 chunks:
+    segment pre-scans, the merge of their end gradients, then the scan of every segment) gives the reference's
+    gradients, at the tolerance of the uncut scan; sequences too short to cut, empty ones and one-token ones beside."""
+    monkeypatch.setenv("KDAKIT_FORWARD_SEGMENTS", "3")
+    monkeypatch.setenv("KDAKIT_FORWARD_SEGMENT_TOKENS", "128")
+    x = make(1, None, 1, 2, 64, 64, cu=[0, 700, 705, 1300, 1300, 1301, 1700], v_first=True)
+    if dtype == torch.float32:
+        check32(x)
+        return
+    do, dht = cotangents(x)
+    ref = reference(x, do, dht, dtype=dtype)
+    for n, e in errors(grads(x, do, dht, dtype=dtype), ref, x).items():
+        tol = FLA_TOL[n.split(" ")[0]]
+        assert e <= tol, f"d{n}: relative RMS error {e:.2e} > FLA's tolerance {tol:.0e}"
+
+
 def test_disable_recompute_gives_the_same_bits(seed):
     """Saved chunk states (written by the forward's recurrence) and recomputed ones (the same kernel in the backward)
     are the same bits, so are the gradients."""
