@@ -351,6 +351,10 @@ def main(argv=None) -> int:
         ttable = bench_train.train_table(train_rows)
         md += f"\n{bench_train.INTRO}\n\n{ttable}\n"
         text += ttable + "\n"
+        try:
+            bench_train.plot(train_rows, out / f"{device_slug()}-train.png", f"KDA training step, {dev}")
+        except Exception as e:  # noqa: BLE001
+            print(f"training plot skipped: {e}")
     if notes.lines:
         md += f"\nPeers and rows not run (a dash in the tables):\n\n{notes_list(notes.lines)}\n"
         text += notes_list(notes.lines) + "\n"

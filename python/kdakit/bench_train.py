@@ -128,3 +128,28 @@ def train_table(rows) -> str:
         cells += [fmt(r["diff_fla"], "{:.1e}"), fmt(r["diff_cudnn"], "{:.1e}")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def plot(rows, path, title: str) -> None:
+    """Step time and peak extra memory per row and library (bars; a library that did not run leaves a gap)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_ms, ax_mib) = plt.subplots(1, 2, figsize=(12, 4.5))
+    xs = range(len(rows))
+    w = 0.27
+    for i, lib in enumerate(LIBRARIES):
+        at = [x + (i - 1) * w for x in xs]
+        ax_ms.bar(at, [r[f"{lib}_ms"] or 0 for r in rows], w, label=lib)
+        ax_mib.bar(at, [r[f"{lib}_mib"] or 0 for r in rows], w, label=lib)
+    for ax, unit in ((ax_ms, "ms per step"), (ax_mib, "peak extra MiB")):
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([r["name"] for r in rows], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(unit)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -384,6 +384,14 @@ def test_training_row_and_table():
     assert table[3] == "| train GVA | 1.000 | — | — | — | — | 1 | — | — | — | — |"
 
 
+def test_training_plot_takes_missing_peers(tmp_path):
+    pytest.importorskip("matplotlib")
+    row = dict(name="train A", kdakit_ms=3.0, FLA_ms=None, cuDNN_ms=2.0, kdakit_mib=10.0, FLA_mib=None, cuDNN_mib=None)
+    path = tmp_path / "train.png"
+    bt.plot([row, dict(row, name="train B", kdakit_ms=None)], path, "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def load_fla_suite():
     spec = importlib.util.spec_from_file_location("fla_suite", ROOT / "tools" / "gpu" / "fla_suite.py")
     mod = importlib.util.module_from_spec(spec)
