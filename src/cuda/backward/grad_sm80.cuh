@@ -73,8 +73,9 @@ __device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const C
 
 }  // namespace grad
 
-// Two CTAs a multiprocessor where the shared memory allows it (the register file then caps a thread at 128).
-template <typename InT>
+// Two CTAs a multiprocessor where the shared memory allows it (the register file then caps a thread at 128). CACHE:
+// dP and dL split once into shared memory (bwd_grad_smem), else each block product rebuilds its fragments.
+template <typename InT, bool CACHE>
 __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const BackwardArgs a) {
   constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
   const int64_t slot = blockIdx.x;
@@ -89,16 +90,18 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
 
   extern __shared__ __align__(16) float smem[];
   GradSlice s;
+  __nv_bfloat16* dpl = reinterpret_cast<__nv_bfloat16*>(smem);  // CACHE: dP hi, dP lo, dL hi, dL lo
   {
-    float* p = smem;
+    float* p = smem + (CACHE ? bwd_grad_dpl_cache(C) / sizeof(float) : 0);
     auto take = [&p](int n) { float* r = p; p += n; return r; };
     const int tl = C * LDK;
     s.q = take(tl); s.k = take(tl); s.g = take(tl); s.el = take(tl); s.er = take(tl); s.es = take(tl);
-    s.ies = take(tl); s.xq = take(tl); s.xb = take(tl); s.ker = take(tl); s.dG = take(tl); s.kgt = take(tl);
     s.xin = take(tl);
     float* uni = take(static_cast<int>(bwd_grad_intra(C)));
     s.dqr = uni; s.dkr = uni + tl; s.dkc = uni + 2 * tl; s.arow = uni + 3 * tl; s.bcol = uni + 4 * tl;
     s.dgp = uni + 5 * tl; s.cpart = uni + 6 * tl; s.wc = uni + 7 * tl;
+    s.dG = s.arow;  // a_row and b_col are consumed by the pair sums before the assembly writes these
+    s.kgt = s.bcol;
     s.beta = take(C); s.rq = take(C); s.rk = take(C);
     s.tot = take(4 * KS); s.etot = take(4 * KS); s.gam = take(KS); s.dgam = take(KS);
     s.maxexp = reinterpret_cast<int*>(take(4));
@@ -129,6 +132,19 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
       s.rk[r] = r < nrows ? (a.l2norm ? 1.f / sqrtf(sk + eps) : 1.f) : 0.f;
     }
   }
+  if constexpr (CACHE) {  // the strictly lower parts of dP and dL in the chunk's rows, split hi + lo
+    for (int e = tid; e < C * C / 2; e += kBwdThreads) {
+      const int r = e / (C / 2), c = 2 * (e % (C / 2)), o = r * kBwdDplLd + c;
+      const bool in = r < nrows;
+      const float2 p = in ? *reinterpret_cast<const float2*>(dP + r * C + c) : make_float2(0.f, 0.f);
+      const float2 l = in ? *reinterpret_cast<const float2*>(dL + r * C + c) : make_float2(0.f, 0.f);
+      uint32_t* w = reinterpret_cast<uint32_t*>(dpl + o);
+      const int m = C * kBwdDplLd / 2;  // one matrix, in 32-bit words
+      split_pack(c < r ? p.x : 0.f, c + 1 < r ? p.y : 0.f, w[0], w[m]);
+      split_pack(c < r ? l.x : 0.f, c + 1 < r ? l.y : 0.f, w[2 * m], w[3 * m]);
+    }
+  }
+  const intra::DplSource<CACHE> dpl_src{dP, dL, dpl, C, nrows};
   const bool in_kernel = a.gate_mode != GateMode::kPreGated, has_bias = in_kernel && a.dt_bias.present();
   const grad::Gate gate(a, hv);
   constexpr int QK_EPC = 16 / sizeof(InT);
@@ -179,7 +195,6 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
         s.el[o] = expf(lam);
         s.er[o] = expf(rho);
         s.es[o] = expf(sigma);
-        s.ies[o] = expf(-sigma);
       }
       // The block's algorithm for this slice, from the largest anchor exponent over the slice's own keys: a slice's
       // products read only its own keys' exponentials, so the factorised form is exact wherever the slice's
@@ -199,17 +214,10 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
       s.gam[tid] = expf(t);
     }
 
-    // The products' factors of the anchored rows and columns: q e^lam, beta k e^lam, k e^rho.
-    for (int e = tid; e < C * KS; e += kBwdThreads) {
-      const int x = (e / KS) * LDK + e % KS;
-      s.xq[x] = s.q[x] * s.el[x];
-      s.xb[x] = s.beta[e / KS] * s.k[x] * s.el[x];
-      s.ker[x] = s.k[x] * s.er[x];
-    }
     if (tid < KS) s.dgam[tid] = d0 + tid < K ? a.ws_dgam[tile * K + d0 + tid] : 0.f;  // rowsum(S dH)
     __syncthreads();
 
-    intra_products(s, dP, dL, C, nrows, NSUB);
+    intra_products(s, dpl_src, C, nrows, NSUB);
 
     // Assembly per (row, key); beta's key-side part summed over the slice's keys (16 lanes a row).
     for (int e = tid; e < C * KS; e += kBwdThreads) {
