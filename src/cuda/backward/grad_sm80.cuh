@@ -219,35 +219,53 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
 
     intra_products(s, dpl_src, C, nrows, NSUB);
 
-    // Assembly per (row, key); beta's key-side part summed over the slice's keys (16 lanes a row).
-    for (int e = tid; e < C * KS; e += kBwdThreads) {
-      const int r = e / KS, dl = e % KS, d = d0 + dl, blk = r / 16;
-      float db = 0.f;
-      if (r < nrows) {
-        float before = 1.f, after = 1.f;  // exp of the totals of the blocks before and after this one
-        for (int c = 0; c < blk; ++c) before *= s.etot[c * KS + dl];
-        for (int c = blk + 1; c < NSUB; ++c) after *= s.etot[c * KS + dl];
-        const int x = r * LDK + dl;
-        const float eg = s.el[x] * before, egl = s.er[x] * after;
-        const float kd = s.k[x], qd = s.q[x], bt = s.beta[r], pd = dP[r * C + r];
-        // The products with the states (backward_state_products_kernel): dqg and dkbg in the dq and dk parts, which
-        // this element's results overwrite, and dkg.
-        const int64_t o = (a.row(ch.b, ch.row0 + r) * a.HV + hv) * K + d;
-        const float dqg = d < K ? a.ws_dq[o] : 0.f, dkbg = d < K ? a.ws_dk[o] : 0.f, dkg = d < K ? a.ws_dkg[o] : 0.f;
-        db = kd * s.dkr[x] + dkbg * kd * eg;
-        const float dk_kg = egl * dkg, dq_g = eg * dqg, dk_g = bt * eg * dkbg;
-        const float dq = s.dqr[x] + dq_g + pd * kd;
-        const float dk = dk_g + bt * s.dkr[x] + s.dkc[x] + pd * qd + dk_kg;
-        s.dG[x] = qd * dq_g + kd * dk_g;
-        s.kgt[x] = kd * dk_kg;
-        if (d < K) {
-          a.ws_dq[o] = dq;
-          a.ws_dk[o] = dk;
-        }
+    // Assembly per (row, key); beta's key-side part summed over the slice's keys (16 lanes a row). The products with
+    // the states (backward_state_products_kernel: dqg and dkbg in the dq and dk parts, which this element's results
+    // overwrite, and dkg) are loaded for all of a thread's elements before any is written back, so the loads overlap.
+    {
+      constexpr int EPT = kBwdMaxChunk * KS / kBwdThreads;  // elements a thread, at the largest chunk
+      static_assert(kBwdThreads % KS == 0 && (32 * KS) % kBwdThreads == 0, "whole element rounds for every chunk");
+      const int64_t rs = int64_t(a.HV) * K, part0 = (a.row(ch.b, ch.row0) * a.HV + hv) * K + d0;
+      const int64_t bs = int64_t(a.HV) * (1 + a.nks), beta0 = (a.row(ch.b, ch.row0) * a.HV + hv) * (1 + a.nks) + 1 + ks;
+      float dqg[EPT], dkbg[EPT], dkg[EPT];
+#pragma unroll
+      for (int i = 0; i < EPT; ++i) {
+        const int e = tid + i * kBwdThreads, r = e / KS, dl = e % KS;
+        const bool in = e < C * KS && r < nrows && d0 + dl < K;
+        const int64_t o = part0 + r * rs + dl;
+        dqg[i] = in ? a.ws_dq[o] : 0.f;
+        dkbg[i] = in ? a.ws_dk[o] : 0.f;
+        dkg[i] = in ? a.ws_dkg[o] : 0.f;
       }
 #pragma unroll
-      for (int o = KS / 2; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
-      if (dl == 0 && r < nrows) a.ws_dbeta[(a.row(ch.b, ch.row0 + r) * a.HV + hv) * (1 + a.nks) + 1 + ks] = db;
+      for (int i = 0; i < EPT; ++i) {
+        const int e = tid + i * kBwdThreads;  // C * KS is a multiple of the block: the same rounds in every thread
+        if (e >= C * KS) break;
+        const int r = e / KS, dl = e % KS, d = d0 + dl, blk = r / 16;
+        float db = 0.f;
+        if (r < nrows) {
+          float before = 1.f, after = 1.f;  // exp of the totals of the blocks before and after this one
+          for (int c = 0; c < blk; ++c) before *= s.etot[c * KS + dl];
+          for (int c = blk + 1; c < NSUB; ++c) after *= s.etot[c * KS + dl];
+          const int x = r * LDK + dl;
+          const float eg = s.el[x] * before, egl = s.er[x] * after;
+          const float kd = s.k[x], qd = s.q[x], bt = s.beta[r], pd = dP[r * C + r];
+          db = kd * s.dkr[x] + dkbg[i] * kd * eg;
+          const float dk_kg = egl * dkg[i], dq_g = eg * dqg[i], dk_g = bt * eg * dkbg[i];
+          const float dq = s.dqr[x] + dq_g + pd * kd;
+          const float dk = dk_g + bt * s.dkr[x] + s.dkc[x] + pd * qd + dk_kg;
+          s.dG[x] = qd * dq_g + kd * dk_g;
+          s.kgt[x] = kd * dk_kg;
+          if (d < K) {
+            const int64_t o = part0 + r * rs + dl;
+            a.ws_dq[o] = dq;
+            a.ws_dk[o] = dk;
+          }
+        }
+#pragma unroll
+        for (int o = KS / 2; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
+        if (dl == 0 && r < nrows) a.ws_dbeta[beta0 + r * bs] = db;
+      }
     }
     __syncthreads();
     // The gate gradient per key: the pairs' part, the chunk-start terms summed in reverse, the kg terms forward over
