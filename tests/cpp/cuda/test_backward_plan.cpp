@@ -242,6 +242,9 @@ TEST(BackwardPlan, SharedMemoryFitsAmpereAdaAndHopper) {
         if (chunk == 64) EXPECT_FALSE(s.grad_cache);
       }
       EXPECT_LE(2 * (cuda::bwd_grad_smem(chunk, false) + 1024), kA100.smem_optin + 1024);
+      Tuning no_cache;
+      no_cache.backward_grad_cache = false;
+      EXPECT_FALSE(c.launch(kH200, no_cache).grad_cache);
     }
   }
   // The scan's tile narrows (or stops prefetching) to fit smaller GPUs: wherever the forward fits, the backward does.
