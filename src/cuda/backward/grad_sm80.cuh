@@ -73,8 +73,9 @@ __device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const C
 
 }  // namespace grad
 
-// Two CTAs a multiprocessor where the shared memory allows it (the register file then caps a thread at 128).
-template <typename InT>
+// Two CTAs a multiprocessor where the shared memory allows it (the register file then caps a thread at 128). CACHE:
+// dP and dL split once into shared memory (bwd_grad_smem), else each block product rebuilds its fragments.
+template <typename InT, bool CACHE>
 __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const BackwardArgs a) {
   constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
   const int64_t slot = blockIdx.x;
@@ -89,16 +90,18 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
 
   extern __shared__ __align__(16) float smem[];
   GradSlice s;
+  __nv_bfloat16* dpl = reinterpret_cast<__nv_bfloat16*>(smem);  // CACHE: dP hi, dP lo, dL hi, dL lo
   {
-    float* p = smem;
+    float* p = smem + (CACHE ? bwd_grad_dpl_cache(C) / sizeof(float) : 0);
     auto take = [&p](int n) { float* r = p; p += n; return r; };
     const int tl = C * LDK;
     s.q = take(tl); s.k = take(tl); s.g = take(tl); s.el = take(tl); s.er = take(tl); s.es = take(tl);
-    s.ies = take(tl); s.xq = take(tl); s.xb = take(tl); s.ker = take(tl); s.dG = take(tl); s.kgt = take(tl);
     s.xin = take(tl);
     float* uni = take(static_cast<int>(bwd_grad_intra(C)));
     s.dqr = uni; s.dkr = uni + tl; s.dkc = uni + 2 * tl; s.arow = uni + 3 * tl; s.bcol = uni + 4 * tl;
     s.dgp = uni + 5 * tl; s.cpart = uni + 6 * tl; s.wc = uni + 7 * tl;
+    s.dG = s.arow;  // a_row and b_col are consumed by the pair sums before the assembly writes these
+    s.kgt = s.bcol;
     s.beta = take(C); s.rq = take(C); s.rk = take(C);
     s.tot = take(4 * KS); s.etot = take(4 * KS); s.gam = take(KS); s.dgam = take(KS);
     s.maxexp = reinterpret_cast<int*>(take(4));
@@ -129,6 +132,19 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
       s.rk[r] = r < nrows ? (a.l2norm ? 1.f / sqrtf(sk + eps) : 1.f) : 0.f;
     }
   }
+  if constexpr (CACHE) {  // the strictly lower parts of dP and dL in the chunk's rows, split hi + lo
+    for (int e = tid; e < C * C / 2; e += kBwdThreads) {
+      const int r = e / (C / 2), c = 2 * (e % (C / 2)), o = r * kBwdDplLd + c;
+      const bool in = r < nrows;
+      const float2 p = in ? *reinterpret_cast<const float2*>(dP + r * C + c) : make_float2(0.f, 0.f);
+      const float2 l = in ? *reinterpret_cast<const float2*>(dL + r * C + c) : make_float2(0.f, 0.f);
+      uint32_t* w = reinterpret_cast<uint32_t*>(dpl + o);
+      const int m = C * kBwdDplLd / 2;  // one matrix, in 32-bit words
+      split_pack(c < r ? p.x : 0.f, c + 1 < r ? p.y : 0.f, w[0], w[m]);
+      split_pack(c < r ? l.x : 0.f, c + 1 < r ? l.y : 0.f, w[2 * m], w[3 * m]);
+    }
+  }
+  const intra::DplSource<CACHE> dpl_src{dP, dL, dpl, C, nrows};
   const bool in_kernel = a.gate_mode != GateMode::kPreGated, has_bias = in_kernel && a.dt_bias.present();
   const grad::Gate gate(a, hv);
   constexpr int QK_EPC = 16 / sizeof(InT);
@@ -179,7 +195,6 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
         s.el[o] = expf(lam);
         s.er[o] = expf(rho);
         s.es[o] = expf(sigma);
-        s.ies[o] = expf(-sigma);
       }
       // The block's algorithm for this slice, from the largest anchor exponent over the slice's own keys: a slice's
       // products read only its own keys' exponentials, so the factorised form is exact wherever the slice's
@@ -199,47 +214,58 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
       s.gam[tid] = expf(t);
     }
 
-    // The products' factors of the anchored rows and columns: q e^lam, beta k e^lam, k e^rho.
-    for (int e = tid; e < C * KS; e += kBwdThreads) {
-      const int x = (e / KS) * LDK + e % KS;
-      s.xq[x] = s.q[x] * s.el[x];
-      s.xb[x] = s.beta[e / KS] * s.k[x] * s.el[x];
-      s.ker[x] = s.k[x] * s.er[x];
-    }
     if (tid < KS) s.dgam[tid] = d0 + tid < K ? a.ws_dgam[tile * K + d0 + tid] : 0.f;  // rowsum(S dH)
     __syncthreads();
 
-    intra_products(s, dP, dL, C, nrows, NSUB);
+    intra_products(s, dpl_src, C, nrows, NSUB);
 
-    // Assembly per (row, key); beta's key-side part summed over the slice's keys (16 lanes a row).
-    for (int e = tid; e < C * KS; e += kBwdThreads) {
-      const int r = e / KS, dl = e % KS, d = d0 + dl, blk = r / 16;
-      float db = 0.f;
-      if (r < nrows) {
-        float before = 1.f, after = 1.f;  // exp of the totals of the blocks before and after this one
-        for (int c = 0; c < blk; ++c) before *= s.etot[c * KS + dl];
-        for (int c = blk + 1; c < NSUB; ++c) after *= s.etot[c * KS + dl];
-        const int x = r * LDK + dl;
-        const float eg = s.el[x] * before, egl = s.er[x] * after;
-        const float kd = s.k[x], qd = s.q[x], bt = s.beta[r], pd = dP[r * C + r];
-        // The products with the states (backward_state_products_kernel): dqg and dkbg in the dq and dk parts, which
-        // this element's results overwrite, and dkg.
-        const int64_t o = (a.row(ch.b, ch.row0 + r) * a.HV + hv) * K + d;
-        const float dqg = d < K ? a.ws_dq[o] : 0.f, dkbg = d < K ? a.ws_dk[o] : 0.f, dkg = d < K ? a.ws_dkg[o] : 0.f;
-        db = kd * s.dkr[x] + dkbg * kd * eg;
-        const float dk_kg = egl * dkg, dq_g = eg * dqg, dk_g = bt * eg * dkbg;
-        const float dq = s.dqr[x] + dq_g + pd * kd;
-        const float dk = dk_g + bt * s.dkr[x] + s.dkc[x] + pd * qd + dk_kg;
-        s.dG[x] = qd * dq_g + kd * dk_g;
-        s.kgt[x] = kd * dk_kg;
-        if (d < K) {
-          a.ws_dq[o] = dq;
-          a.ws_dk[o] = dk;
-        }
+    // Assembly per (row, key); beta's key-side part summed over the slice's keys (16 lanes a row). The products with
+    // the states (backward_state_products_kernel: dqg and dkbg in the dq and dk parts, which this element's results
+    // overwrite, and dkg) are loaded for all of a thread's elements before any is written back, so the loads overlap.
+    {
+      constexpr int EPT = kBwdMaxChunk * KS / kBwdThreads;  // elements a thread, at the largest chunk
+      static_assert(kBwdThreads % KS == 0 && (32 * KS) % kBwdThreads == 0, "whole element rounds for every chunk");
+      const int64_t rs = int64_t(a.HV) * K, part0 = (a.row(ch.b, ch.row0) * a.HV + hv) * K + d0;
+      const int64_t bs = int64_t(a.HV) * (1 + a.nks), beta0 = (a.row(ch.b, ch.row0) * a.HV + hv) * (1 + a.nks) + 1 + ks;
+      float dqg[EPT], dkbg[EPT], dkg[EPT];
+#pragma unroll
+      for (int i = 0; i < EPT; ++i) {
+        const int e = tid + i * kBwdThreads, r = e / KS, dl = e % KS;
+        const bool in = e < C * KS && r < nrows && d0 + dl < K;
+        const int64_t o = part0 + r * rs + dl;
+        dqg[i] = in ? a.ws_dq[o] : 0.f;
+        dkbg[i] = in ? a.ws_dk[o] : 0.f;
+        dkg[i] = in ? a.ws_dkg[o] : 0.f;
       }
 #pragma unroll
-      for (int o = KS / 2; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
-      if (dl == 0 && r < nrows) a.ws_dbeta[(a.row(ch.b, ch.row0 + r) * a.HV + hv) * (1 + a.nks) + 1 + ks] = db;
+      for (int i = 0; i < EPT; ++i) {
+        const int e = tid + i * kBwdThreads;  // C * KS is a multiple of the block: the same rounds in every thread
+        if (e >= C * KS) break;
+        const int r = e / KS, dl = e % KS, d = d0 + dl, blk = r / 16;
+        float db = 0.f;
+        if (r < nrows) {
+          float before = 1.f, after = 1.f;  // exp of the totals of the blocks before and after this one
+          for (int c = 0; c < blk; ++c) before *= s.etot[c * KS + dl];
+          for (int c = blk + 1; c < NSUB; ++c) after *= s.etot[c * KS + dl];
+          const int x = r * LDK + dl;
+          const float eg = s.el[x] * before, egl = s.er[x] * after;
+          const float kd = s.k[x], qd = s.q[x], bt = s.beta[r], pd = dP[r * C + r];
+          db = kd * s.dkr[x] + dkbg[i] * kd * eg;
+          const float dk_kg = egl * dkg[i], dq_g = eg * dqg[i], dk_g = bt * eg * dkbg[i];
+          const float dq = s.dqr[x] + dq_g + pd * kd;
+          const float dk = dk_g + bt * s.dkr[x] + s.dkc[x] + pd * qd + dk_kg;
+          s.dG[x] = qd * dq_g + kd * dk_g;
+          s.kgt[x] = kd * dk_kg;
+          if (d < K) {
+            const int64_t o = part0 + r * rs + dl;
+            a.ws_dq[o] = dq;
+            a.ws_dk[o] = dk;
+          }
+        }
+#pragma unroll
+        for (int o = KS / 2; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
+        if (dl == 0 && r < nrows) a.ws_dbeta[beta0 + r * bs] = db;
+      }
     }
     __syncthreads();
     // The gate gradient per key: the pairs' part, the chunk-start terms summed in reverse, the kg terms forward over

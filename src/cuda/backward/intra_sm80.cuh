@@ -1,10 +1,11 @@
 // The intra-chunk products of the gradient kernel (intra_products of src/cpu/chunk_gradients.cpp, whose comment has
 // the anchoring and the gate's pair sums), over one 16-key slice: the row side (dq_row, dk_row against the earlier
 // blocks and within the diagonal block), the column side (dk_col against the later blocks and within the block) and
-// the pairs' part of the gate gradient (dgp). dP and dL are read from the workspace (the WY pass's), everything else
-// from the slice tiles in shared memory. The anchored exponentials are the slice's tiles (exp(lam), exp(rho),
-// exp(+-sigma), exp(total)): a product over blocks b < c < a is a product of exp(total)s, never an exponential of a
-// difference.
+// the pairs' part of the gate gradient (dgp). dP and dL come from the workspace (the WY pass's) or from the kernel's
+// split copy (DplSource), everything else from the slice tiles in shared memory. The anchored exponentials are the
+// slice's tiles (exp(lam), exp(rho), exp(sigma), whose reciprocal is exp(-sigma), exp(total)); the factors q e^lam,
+// beta k e^lam and k e^rho are formed as the fragments are built. A product over blocks b < c < a is a product of
+// exp(total)s, never an exponential of a difference.
 //
 // The 16 x 16 block products run on tensor cores (mma.sync m16n8k16, every operand split hi + lo: three MMAs, fp32
 // accumulation), a warp per (16-row block, 8 keys): an off-diagonal block's product needs no factor inside the sum
@@ -21,8 +22,7 @@ namespace kdakit::cuda {
 // The gradient kernel's slice tiles ([C][kBwdLdk] unless noted).
 struct GradSlice {
   float *q, *k, *g;                    // normalised q, k; gates (natural log)
-  float *el, *er, *es, *ies;           // exp(lam), exp(rho), exp(sigma), exp(-sigma) (the sub-chunk sums)
-  float *xq, *xb, *ker;                // q exp(lam), beta k exp(lam), k exp(rho)
+  float *el, *er, *es;                 // exp(lam), exp(rho), exp(sigma) (the sub-chunk sums)
   float *dG, *kgt;                     // the gate gradient's chunk-start terms (reverse sum) and kg terms (forward)
   float* xin;                          // the in-kernel gate's raw input g + dt_bias (for its chain)
   float *dqr, *dkr, *dkc, *arow, *bcol, *dgp;  // intra-chunk products (over the value tiles' bytes)
@@ -62,36 +62,76 @@ __device__ __forceinline__ void build_b(FragB (&b)[2], F&& f) {
   for (int x = 0; x < 2; ++x) split_pack(f(2 * t + 8 * x, g), f(2 * t + 8 * x + 1, g), b[0].x[x], b[1].x[x]);
 }
 
+// The A fragments of dP and dL blocks (mat 0: dP, 1: dL), hi + lo: rows(a, mat, a0, c0, diag) is A(r, c) =
+// M[a0 + r][c0 + c], cols(a, mat, r0, c0, diag) is A(m, k) = M[r0 + k][c0 + m]; a diagonal block keeps its strictly
+// lower part, and rows past the chunk's end are zero. CACHE = false rebuilds them from the workspace's fp32 matrices;
+// CACHE = true loads the kernel's split copy of those parts (ldmatrix, `kBwdDplLd` row stride). dP and dL themselves
+// stay readable for the running products of blocks that are not factorised.
+template <bool CACHE>
+struct DplSource {
+  const float *dP, *dL;
+  const __nv_bfloat16* cache;  // [4][C][kBwdDplLd]: dP hi, dP lo, dL hi, dL lo
+  int C, nrows;
+  __device__ __forceinline__ const float* mat(int m) const { return m == 0 ? dP : dL; }
+  __device__ __forceinline__ const __nv_bfloat16* part(int m, int hl) const {
+    return cache + (2 * m + hl) * C * kBwdDplLd;
+  }
+  __device__ __forceinline__ void rows(FragA (&a)[2], int m, int a0, int c0, bool diag) const {
+    if constexpr (CACHE) {
+      const int lane = threadIdx.x & 31, r = a0 + (lane & 7) + ((lane >> 3) & 1) * 8, c = c0 + (lane >> 4) * 8;
+      ldsm_x4(a[0].x, part(m, 0) + r * kBwdDplLd + c);
+      ldsm_x4(a[1].x, part(m, 1) + r * kBwdDplLd + c);
+    } else {
+      const float* M = mat(m);
+      const int n = nrows, ld = C;
+      build_a(a, [=](int r, int c) { return (!diag || c < r) && a0 + r < n ? M[(a0 + r) * ld + c0 + c] : 0.f; });
+    }
+  }
+  __device__ __forceinline__ void cols(FragA (&a)[2], int m, int r0, int c0, bool diag) const {
+    if constexpr (CACHE) {
+      const int lane = threadIdx.x & 31, k = r0 + (lane & 7) + (lane >> 4) * 8, mm = c0 + ((lane >> 3) & 1) * 8;
+      ldsm_x4_t(a[0].x, part(m, 0) + k * kBwdDplLd + mm);
+      ldsm_x4_t(a[1].x, part(m, 1) + k * kBwdDplLd + mm);
+    } else {
+      const float* M = mat(m);
+      const int n = nrows, ld = C;
+      build_a(a, [=](int mm, int k) { return (!diag || k > mm) && r0 + k < n ? M[(r0 + k) * ld + c0 + mm] : 0.f; });
+    }
+  }
+};
+
 // The accumulator element x of this lane: its tile row (0..15) and column (0..7).
 __device__ __forceinline__ int acc_row(int x) { return ((threadIdx.x & 31) >> 2) + 8 * (x >> 1); }
 __device__ __forceinline__ int acc_col(int x) { return 2 * (threadIdx.x & 3) + (x & 1); }
 
 // The row side of row block `blk`, keys n0..n0+7 of the slice: dqr, dkr, arow, wc and the rows' part of dgp.
-__device__ __forceinline__ void row_side(const GradSlice& s, const float* dP, const float* dL, int C, int nrows,
-                                         int blk, int n0) {
+template <bool CACHE>
+__device__ __forceinline__ void row_side(const GradSlice& s, const DplSource<CACHE>& src, int C, int nrows, int blk,
+                                         int n0) {
   constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
   using Op = Operand<float>;
   const int a0 = 16 * blk, kc = n0 + acc_col(0);  // the lane's keys kc, kc + 1
-  auto in_rows = [&](const float* M, int c0) {    // M's rows of this block, columns c0..c0+15
-    return [=](int r, int c) { return a0 + r < nrows ? M[(a0 + r) * C + c0 + c] : 0.f; };
-  };
+  const float *dP = src.dP, *dL = src.dL;
   // Earlier blocks, anchored at this block's start: (dP or dL) times k exp(rho), scaled per key by the totals of the
   // blocks in between.
   float acc_q[4] = {0.f, 0.f, 0.f, 0.f}, acc_k[4] = {0.f, 0.f, 0.f, 0.f}, emid[2] = {1.f, 1.f};
   for (int b = blk - 1; b >= 0; --b) {
     FragB kb[2];
-    build_b(kb, [&](int k, int n) { return s.ker[(16 * b + k) * LDK + n0 + n]; });
+    build_b(kb, [&](int k, int n) {  // k e^rho
+      const int o = (16 * b + k) * LDK + n0 + n;
+      return s.k[o] * s.er[o];
+    });
     FragC pq, pk;
     pq.zero();
     pk.zero();
     {
       FragA ap[2];
-      build_a(ap, in_rows(dP, 16 * b));
+      src.rows(ap, 0, a0, 16 * b, false);
       Op::mma(pq, ap, kb);
     }
     {
       FragA al[2];
-      build_a(al, in_rows(dL, 16 * b));
+      src.rows(al, 1, a0, 16 * b, false);
       Op::mma(pk, al, kb);
     }
 #pragma unroll
@@ -113,11 +153,11 @@ __device__ __forceinline__ void row_side(const GradSlice& s, const float* dP, co
   if (factorised_block(s, blk)) {  // es_i sum_{j < i} (dP or dL)[i][j] k_j ies_j
     FragA ap[2], al[2];
     FragB kb[2];
-    build_a(ap, [&](int r, int c) { return c < r && a0 + r < nrows ? dP[(a0 + r) * C + a0 + c] : 0.f; });
-    build_a(al, [&](int r, int c) { return c < r && a0 + r < nrows ? dL[(a0 + r) * C + a0 + c] : 0.f; });
+    src.rows(ap, 0, a0, a0, true);
+    src.rows(al, 1, a0, a0, true);
     build_b(kb, [&](int k, int n) {
       const int o = (a0 + k) * LDK + n0 + n;
-      return a0 + k < nrows ? s.k[o] * s.ies[o] : 0.f;
+      return a0 + k < nrows ? __fdividef(s.k[o], s.es[o]) : 0.f;  // k exp(-sigma); |sigma| <= 64 here
     });
     FragC pq, pk;
     pq.zero();
@@ -160,18 +200,13 @@ __device__ __forceinline__ void row_side(const GradSlice& s, const float* dP, co
 }
 
 // The column side of column block `blk`, keys n0..n0+7: dkc, bcol and cpart.
-__device__ __forceinline__ void col_side(const GradSlice& s, const float* dP, const float* dL, int C, int nrows,
-                                         int NSUB, int blk, int n0) {
+template <bool CACHE>
+__device__ __forceinline__ void col_side(const GradSlice& s, const DplSource<CACHE>& src, int C, int nrows, int NSUB,
+                                         int blk, int n0) {
   constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
   using Op = Operand<float>;
   const int c0 = 16 * blk, kc = n0 + acc_col(0);
-  // (dP or dL)^T of rows r0.., this block's columns: A(m = column, k = row).
-  auto cols_of = [&](const float* M, int r0) {
-    return [=](int m, int k) { return r0 + k < nrows ? M[(r0 + k) * C + c0 + m] : 0.f; };
-  };
-  auto rows_of = [&](const float* T, int r0) {  // a slice tile's rows r0.. as a B operand
-    return [=](int k, int n) { return r0 + k < nrows ? T[(r0 + k) * LDK + n0 + n] : 0.f; };
-  };
+  const float *dP = src.dP, *dL = src.dL;
   // Later blocks, anchored at this block's end.
   float acc[4] = {0.f, 0.f, 0.f, 0.f}, emid[2] = {1.f, 1.f};
   for (int r = blk + 1; r < NSUB; ++r) {
@@ -181,15 +216,21 @@ __device__ __forceinline__ void col_side(const GradSlice& s, const float* dP, co
     {
       FragA ap[2];
       FragB bq[2];
-      build_a(ap, cols_of(dP, r0));
-      build_b(bq, rows_of(s.xq, r0));
+      src.cols(ap, 0, r0, c0, false);
+      build_b(bq, [&](int k, int n) {  // q e^lam
+        const int o = (r0 + k) * LDK + n0 + n;
+        return r0 + k < nrows ? s.q[o] * s.el[o] : 0.f;
+      });
       Op::mma(part, ap, bq);
     }
     {
       FragA al[2];
       FragB bb[2];
-      build_a(al, cols_of(dL, r0));
-      build_b(bb, rows_of(s.xb, r0));
+      src.cols(al, 1, r0, c0, false);
+      build_b(bb, [&](int k, int n) {  // beta k e^lam
+        const int o = (r0 + k) * LDK + n0 + n;
+        return r0 + k < nrows ? s.beta[r0 + k] * s.k[o] * s.el[o] : 0.f;
+      });
       Op::mma(part, al, bb);
     }
 #pragma unroll
@@ -205,7 +246,7 @@ __device__ __forceinline__ void col_side(const GradSlice& s, const float* dP, co
     {
       FragA ap[2];
       FragB bq[2];
-      build_a(ap, [&](int m, int k) { return k > m && c0 + k < nrows ? dP[(c0 + k) * C + c0 + m] : 0.f; });
+      src.cols(ap, 0, c0, c0, true);
       build_b(bq, [&](int k, int n) {
         const int o = (c0 + k) * LDK + n0 + n;
         return c0 + k < nrows ? s.q[o] * s.es[o] : 0.f;
@@ -215,7 +256,7 @@ __device__ __forceinline__ void col_side(const GradSlice& s, const float* dP, co
     {
       FragA al[2];
       FragB bb[2];
-      build_a(al, [&](int m, int k) { return k > m && c0 + k < nrows ? dL[(c0 + k) * C + c0 + m] : 0.f; });
+      src.cols(al, 1, c0, c0, true);
       build_b(bb, [&](int k, int n) {
         const int o = (c0 + k) * LDK + n0 + n;
         return c0 + k < nrows ? s.beta[c0 + k] * s.k[o] * s.es[o] : 0.f;
@@ -223,7 +264,9 @@ __device__ __forceinline__ void col_side(const GradSlice& s, const float* dP, co
       Op::mma(dg, al, bb);
     }
 #pragma unroll
-    for (int x = 0; x < 4; ++x) diag[x] = dg.x[x] * s.ies[min(c0 + acc_row(x), nrows - 1) * LDK + kc + (x & 1)];
+    for (int x = 0; x < 4; ++x) {
+      diag[x] = __fdividef(dg.x[x], s.es[min(c0 + acc_row(x), nrows - 1) * LDK + kc + (x & 1)]);  // x exp(-sigma)
+    }
   } else {
     const int s1 = min(nrows, c0 + 16);
 #pragma unroll
@@ -258,8 +301,9 @@ __device__ __forceinline__ void col_side(const GradSlice& s, const float* dP, co
 // The pairs (i', j') of a diagonal block with j' < t <= i' are summed as a running total over t: the pair enters at
 // t = j' + 1 (its column's part, cpart) and leaves at t = i' + 1 (its row's part, which is q_t dq_diag + beta_t k_t
 // dk_diag of the row side), so a pair's term counts only for the tokens it spans.
-__device__ __forceinline__ void intra_products(const GradSlice& s, const float* dP, const float* dL, int C, int nrows,
-                                               int NSUB) {
+template <bool CACHE>
+__device__ __forceinline__ void intra_products(const GradSlice& s, const intra::DplSource<CACHE>& src, int C,
+                                               int nrows, int NSUB) {
   constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
   // A block's row side costs its earlier blocks, its column side its later ones: a warp taking both sides of one
   // block (and 8 keys) has NSUB + 1 block products whatever the block. Up to two blocks, the sides go to warps of
@@ -268,8 +312,8 @@ __device__ __forceinline__ void intra_products(const GradSlice& s, const float* 
   const bool apart = NSUB <= 2, cols_only = apart && ((warp >> 1) & 1);
   const int blk = apart ? warp >> 2 : warp >> 1;
   if (blk < NSUB) {
-    if (!cols_only) intra::row_side(s, dP, dL, C, nrows, blk, n0);
-    if (!apart || cols_only) intra::col_side(s, dP, dL, C, nrows, NSUB, blk, n0);
+    if (!cols_only) intra::row_side(s, src, C, nrows, blk, n0);
+    if (!apart || cols_only) intra::col_side(s, src, C, nrows, NSUB, blk, n0);
   }
   __syncthreads();
   // Per (block c, key): the pairs within c (the running total), c's rows over earlier blocks (i >= t), c's columns

@@ -72,7 +72,7 @@ void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream
                  static_cast<unsigned>((a.K + kBwdStateKeys - 1) / kBwdStateKeys)),
             kBwdStateThreads, bl.smem.state, stream>>>(a);
     check_launch("backward_state_products_kernel");
-    auto grad = backward_grad_kernel<InT>;
+    auto grad = bl.grad_cache ? backward_grad_kernel<InT, true> : backward_grad_kernel<InT, false>;
     set_dynamic_smem(reinterpret_cast<const void*>(grad), bl.smem.grad);
     grad<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV)), kBwdThreads, bl.smem.grad, stream>>>(a);
     check_launch("backward_grad_kernel");

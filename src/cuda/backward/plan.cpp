@@ -98,7 +98,8 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
     bp.scan_ring = 1;
   }
   bp.vt = static_cast<int>((pr.V + bp.scan_bv - 1) / bp.scan_bv);
-  bp.smem = backward_smem(C, KP, bwd_scan_smem(esz, KP, bp.scan_bv, bp.scan_ring));
+  bp.grad_cache = tuning.backward_grad_cache && bwd_grad_cache_fits(C, limit);
+  bp.smem = backward_smem(C, KP, bwd_scan_smem(esz, KP, bp.scan_bv, bp.scan_ring), bp.grad_cache);
   const std::size_t need = std::max({bp.smem.scan, bp.smem.wy, bp.smem.state, bp.smem.grad, bp.smem.merge});
   if (need > limit) {
     throw CudaError("kdakit: the CUDA backward's kernels need " + std::to_string(need) +

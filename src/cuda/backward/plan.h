@@ -32,6 +32,7 @@ struct BackwardLaunch {
   int scan_bv = 64;      // the scan's value columns per CTA: 16, 32, 64 (BwdScanLayout)
   int scan_ring = 2;     // the scan's stage slots: 1 (no prefetch) to kBwdScanMaxRing
   int nks = 1;           // 16-key slices of the gradient kernel
+  bool grad_cache = false;  // the gradient kernel's dP/dL cache (bwd_grad_cache_fits)
   // The scan's segments where the forward cuts a sequence (fwd.seg_target > 1; its segment table is read): segment
   // slots (fwd.segments) and the row length of a slot, vt * scan_bv value columns then KP transition columns.
   int64_t segments = 0;

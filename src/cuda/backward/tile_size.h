@@ -103,18 +103,28 @@ constexpr std::size_t bwd_state_smem(int C) {
 }
 
 // The gradient pass, per (chunk, v-head), a 16-key slice at a time: the slice's q, k, gates, exp(lam), exp(rho),
-// exp(sigma), exp(-sigma), the products' factors q e^lam, beta k e^lam and k e^rho, the gate gradient's two sums and
-// the gates' raw inputs [C][16] each (13 tiles); the intra-chunk products (dq_row, dk_row, dk_col, a_row, b_col, dgp
-// and the diagonal blocks' column parts [C][16], and the per-(row, earlier block) pair sums [C][3][16]); per row: beta
-// and the two norms; per slice: the sub-chunk totals and their exponentials [4][16] each, gamma and rowsum(S dH); four
-// block flags; the block sum's scratch.
-constexpr int kBwdGradTiles = 13;
+// exp(sigma) and the gates' raw inputs [C][16] each (7 tiles); the intra-chunk products (dq_row, dk_row, dk_col, a_row,
+// b_col, dgp and the diagonal blocks' column parts [C][16], and the per-(row, earlier block) pair sums [C][3][16]; the
+// gate gradient's two sums take a_row's and b_col's bytes after the products); per row: beta and the two norms; per
+// slice: the sub-chunk totals and their exponentials [4][16] each, gamma and rowsum(S dH); four block flags; the block
+// sum's scratch. With the dP/dL cache (kernel flag CACHE), first the strictly lower parts of dP and dL split hi + lo
+// in bf16, [C][C + 8] each (four matrices), read by ldmatrix for every slice instead of rebuilt from the workspace.
+constexpr int kBwdGradTiles = 7;
+constexpr int kBwdDplLd = kBwdMaxChunk + 8;  // row stride (elements) of a cached dP/dL matrix: 16-byte rows, no conflicts
 constexpr std::size_t bwd_grad_intra(int C) {
   return std::size_t(7 * C) * kBwdLdk + std::size_t(C) * 3 * kBwdKSlice;
 }
-constexpr std::size_t bwd_grad_smem(int C) {
-  return sizeof(float) * (std::size_t(kBwdGradTiles * C) * kBwdLdk + bwd_grad_intra(C) + 3 * std::size_t(C) +
+constexpr std::size_t bwd_grad_dpl_cache(int C) { return std::size_t(4) * C * kBwdDplLd * 2; }
+constexpr std::size_t bwd_grad_smem(int C, bool cache) {
+  return (cache ? bwd_grad_dpl_cache(C) : 0) +
+         sizeof(float) * (std::size_t(kBwdGradTiles * C) * kBwdLdk + bwd_grad_intra(C) + 3 * std::size_t(C) +
                           10 * kBwdKSlice + 4 + kBwdRowGroups);
+}
+// The cached form where two of its CTAs fit a multiprocessor (`smem_optin`, a block's most, is the multiprocessor's
+// capacity less the 1 KB every block reserves): fewer instructions at the same occupancy. Elsewhere the uncached form
+// keeps two CTAs (or fits at all).
+constexpr bool bwd_grad_cache_fits(int C, std::size_t smem_optin) {
+  return 2 * (bwd_grad_smem(C, true) + 1024) <= smem_optin + 1024;
 }
 
 // The merge of the scan's segments (backward/merge.cuh, cp/merge.cuh's MergeLayout): S [KP][9] and M [KP][33] fp32.
@@ -124,9 +134,9 @@ struct BackwardSmem {
   std::size_t scan = 0, wy = 0, state = 0, grad = 0, merge = 0;
 };
 
-// `scan`: bwd_scan_smem of the planner's scan tile.
-inline BackwardSmem backward_smem(int C, int KP, std::size_t scan) {
-  return {scan, bwd_wy_smem(C, KP), bwd_state_smem(C), bwd_grad_smem(C), bwd_merge_smem(KP)};
+// `scan`: bwd_scan_smem of the planner's scan tile; `grad_cache`: the gradient kernel's form.
+inline BackwardSmem backward_smem(int C, int KP, std::size_t scan, bool grad_cache) {
+  return {scan, bwd_wy_smem(C, KP), bwd_state_smem(C), bwd_grad_smem(C, grad_cache), bwd_merge_smem(KP)};
 }
 
 }  // namespace kdakit::cuda

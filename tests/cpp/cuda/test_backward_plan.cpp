@@ -226,9 +226,25 @@ TEST(BackwardPlan, SharedMemoryFitsAmpereAdaAndHopper) {
       EXPECT_GE(b.scan_ring, 2) << "Hopper prefetches the scan's tiles";
       EXPECT_EQ(b.smem.wy, cuda::bwd_wy_smem(chunk, 256));
       EXPECT_EQ(b.smem.state, cuda::bwd_state_smem(chunk));
-      EXPECT_EQ(b.smem.grad, cuda::bwd_grad_smem(chunk));
+      EXPECT_TRUE(b.grad_cache) << "two cached gradient CTAs fit a Hopper multiprocessor";
+      EXPECT_EQ(b.smem.grad, cuda::bwd_grad_smem(chunk, true));
+      EXPECT_LE(2 * (b.smem.grad + 1024), kH200.smem_optin + 1024);
       EXPECT_LE(b.smem.scan, kH200.smem_optin);
-      for (const std::size_t s : {b.smem.wy, b.smem.state, b.smem.grad}) EXPECT_LE(s, kAda.smem_optin);
+      for (const std::size_t s : {b.smem.wy, b.smem.state, cuda::bwd_grad_smem(chunk, false)}) {
+        EXPECT_LE(s, kAda.smem_optin);
+      }
+      // The A100 and Ada (bf16, where the forward fits both): the cached form where two of it fit a multiprocessor
+      // (chunk 32 on the A100), else the uncached one (chunk 64 on both).
+      for (const DeviceInfo& dev : {kA100, kAda}) {
+        const BackwardLaunch s = BackwardCase(1, 256, 1, 1, 128, 128, DType::kBFloat16, chunk).launch(dev);
+        EXPECT_EQ(s.grad_cache, cuda::bwd_grad_cache_fits(chunk, dev.smem_optin));
+        EXPECT_EQ(s.smem.grad, cuda::bwd_grad_smem(chunk, s.grad_cache));
+        if (chunk == 64) EXPECT_FALSE(s.grad_cache);
+      }
+      EXPECT_LE(2 * (cuda::bwd_grad_smem(chunk, false) + 1024), kA100.smem_optin + 1024);
+      Tuning no_cache;
+      no_cache.backward_grad_cache = false;
+      EXPECT_FALSE(c.launch(kH200, no_cache).grad_cache);
     }
   }
   // The scan's tile narrows (or stops prefetching) to fit smaller GPUs: wherever the forward fits, the backward does.
@@ -258,11 +274,11 @@ TEST(BackwardPlan, SharedMemoryFitsAmpereAdaAndHopper) {
 }
 
 TEST(BackwardPlan, TooLittleSharedMemoryIsACudaError) {
-  // bf16, K = 64, chunk 64: the forward's kernels fit 80 KB, the backward's gradient kernel (about 90 KB) does not.
+  // bf16, K = 64, chunk 64: the forward's kernels fit 80 KB, the backward's state products (84 KB) do not.
   Tuning small;
   small.smem_limit = 80 * 1024;
   const BackwardCase c(1, 256, 1, 1, 64, 64);
-  ASSERT_GT(cuda::bwd_grad_smem(64), static_cast<std::size_t>(small.smem_limit));
+  ASSERT_GT(cuda::bwd_state_smem(64), static_cast<std::size_t>(small.smem_limit));
   try {
     c.launch(kH200, small);
     FAIL() << "expected CudaError";

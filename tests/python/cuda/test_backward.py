@@ -249,6 +249,20 @@ def test_disable_recompute_gives_the_same_bits(seed):
         assert same_bits(a[n], b[n]), f"d{n} differs with saved chunk states"
 
 
+def test_gradient_kernel_cache_gives_the_same_bits(monkeypatch, seed):
+    """The gradient kernel's dP/dL cache in shared memory (where two such CTAs fit a multiprocessor) and its uncached
+    form (KDAKIT_BACKWARD_GRAD_CACHE=0) give the same bits, chunk 64 and 32."""
+    x = make(1, None, 2, 4, 64, 64, cu=[0, 100, 100, 333, 334], gate="softplus")
+    do, dht = cotangents(x)
+    for chunk in (64, 32):
+        a = grads(x, do, dht, chunk_size=chunk)
+        monkeypatch.setenv("KDAKIT_BACKWARD_GRAD_CACHE", "0")
+        b = grads(x, do, dht, chunk_size=chunk)
+        monkeypatch.delenv("KDAKIT_BACKWARD_GRAD_CACHE")
+        for n in a:
+            assert same_bits(a[n], b[n]), f"d{n} differs without the cache (chunk {chunk})"
+
+
 def test_determinism_and_batch_invariance(seed):
     """Two runs give the same bits, and a sequence's gradients do not depend on its neighbours in a varlen batch."""
     lens = [70, 5, 129, 0, 300]
