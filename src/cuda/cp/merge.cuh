@@ -22,23 +22,15 @@ struct MergeLayout {
   static constexpr size_t bytes() { return sizeof(float) * (KP * LDS + KP * LDM); }
 };
 
-// One merge step for this CTA's column `col`: Y = M X + E over keys [0, K), X's rows e < K from x_of(e), E's and M's
-// rows from row(d) (E at column col, M at columns [m_col0, m_col0 + K)), Y written over E. sS and sM are the
-// MergeLayout tiles, sS free on entry; the step ends with a barrier (Y visible to the CTA). The forward's
-// merge and the backward's (whose slots hold transposed transitions) share it.
-template <int KP, typename XOf, typename Row>
-__device__ __forceinline__ void merge_step(float* sS, float* sM, int K, int m_col0, int col, bool col_in, XOf&& x_of,
-                                           Row&& row) {
+// acc[i] += (M X)[rg + RG i] for this thread's rows, M's rows from row(d) at columns [m_col0, m_col0 + K), staged
+// kMergeKeys keys at a time in sM; X is the CTA's columns in sS, written by the caller and made visible by the first
+// barrier here. The merge's step and the fold's share it.
+template <int KP, typename Row>
+__device__ __forceinline__ void add_transition_product(const float* sS, float* sM, int K, int m_col0, Row&& row,
+                                                       float (&acc)[KP / (kMergeThreads / kMergeCols)]) {
   using L = MergeLayout<KP>;
   constexpr int RG = kMergeThreads / kMergeCols, RPT = KP / RG;  // row groups; rows per thread
   const int tid = threadIdx.x, j = tid % kMergeCols, rg = tid / kMergeCols;
-  for (int e = rg; e < KP; e += RG) sS[e * L::LDS + j] = col_in && e < K ? x_of(e) : 0.f;
-  float acc[RPT];
-#pragma unroll
-  for (int i = 0; i < RPT; ++i) {
-    const int d = rg + RG * i;
-    acc[i] = col_in && d < K ? row(d)[col] : 0.f;
-  }
   for (int e0 = 0; e0 < K; e0 += kMergeKeys) {
     __syncthreads();  // sS written; the previous block of M consumed
     for (int x = tid; x < KP * kMergeKeys; x += kMergeThreads) {
@@ -53,6 +45,26 @@ __device__ __forceinline__ void merge_step(float* sS, float* sM, int K, int m_co
       for (int i = 0; i < RPT; ++i) acc[i] = fmaf(sM[(rg + RG * i) * L::LDM + e], sv, acc[i]);
     }
   }
+}
+
+// One merge step for this CTA's column `col`: Y = M X + E over keys [0, K), X's rows e < K from x_of(e), E's and M's
+// rows from row(d) (E at column col, M at columns [m_col0, m_col0 + K)), Y written over E. sS and sM are the
+// MergeLayout tiles, sS free on entry; the step ends with a barrier (Y visible to the CTA). The forward's
+// merge and the backward's (whose slots hold transposed transitions) share it.
+template <int KP, typename XOf, typename Row>
+__device__ __forceinline__ void merge_step(float* sS, float* sM, int K, int m_col0, int col, bool col_in, XOf&& x_of,
+                                           Row&& row) {
+  using L = MergeLayout<KP>;
+  constexpr int RG = kMergeThreads / kMergeCols, RPT = KP / RG;
+  const int tid = threadIdx.x, j = tid % kMergeCols, rg = tid / kMergeCols;
+  for (int e = rg; e < KP; e += RG) sS[e * L::LDS + j] = col_in && e < K ? x_of(e) : 0.f;
+  float acc[RPT];
+#pragma unroll
+  for (int i = 0; i < RPT; ++i) {
+    const int d = rg + RG * i;
+    acc[i] = col_in && d < K ? row(d)[col] : 0.f;
+  }
+  add_transition_product<KP>(sS, sM, K, m_col0, row, acc);
 #pragma unroll
   for (int i = 0; i < RPT; ++i) {
     const int d = rg + RG * i;
@@ -134,20 +146,7 @@ __global__ void __launch_bounds__(kMergeThreads) segment_fold_kernel(const Forwa
       const int d = rg + RG * i;
       acc[i] = col_in && value && d < a.K ? row(g, d)[col] : 0.f;
     }
-    for (int e0 = 0; e0 < a.K; e0 += kMergeKeys) {
-      __syncthreads();  // sS written; the previous block of M consumed
-      for (int x = tid; x < KP * kMergeKeys; x += kMergeThreads) {
-        const int d = x / kMergeKeys, e = x % kMergeKeys;
-        sM[d * L::LDM + e] = d < a.K && e0 + e < a.K ? row(g, d)[VT_cols + e0 + e] : 0.f;
-      }
-      __syncthreads();
-#pragma unroll 8
-      for (int e = 0; e < kMergeKeys; ++e) {
-        const float sv = sS[(e0 + e) * L::LDS + j];
-#pragma unroll
-        for (int i = 0; i < RPT; ++i) acc[i] = fmaf(sM[(rg + RG * i) * L::LDM + e], sv, acc[i]);
-      }
-    }
+    add_transition_product<KP>(sS, sM, a.K, VT_cols, [&](int d) { return row(g, d); }, acc);
   }
 #pragma unroll
   for (int i = 0; i < RPT; ++i) {
