@@ -78,7 +78,8 @@ void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream
     check_launch("backward_grad_kernel");
   }
   if (bl.rows > 0) {
-    backward_tokens_kernel<InT><<<static_cast<unsigned>(bl.rows), kBwdThreads, 0, stream>>>(a);
+    auto tokens = a.K <= 128 ? backward_tokens_kernel<InT, 1> : backward_tokens_kernel<InT, 2>;
+    tokens<<<static_cast<unsigned>(bl.rows), kBwdThreads, 0, stream>>>(a);
     check_launch("backward_tokens_kernel");
   }
   if (a.dA_log.present() || a.ddt_bias.present()) {

@@ -5,11 +5,34 @@
 // order (strided shares, then the block sum).
 #pragma once
 
+#include <cstdint>
+#include <type_traits>
+
 #include "cuda/backward/common.cuh"
 
 namespace kdakit::cuda {
 
-template <typename InT>
+// Four consecutive elements of a token row at p, widened: one vector load where p is aligned to their size, else four.
+template <typename T>
+__device__ __forceinline__ void load_four(const T* p, float (&x)[4]) {
+  if ((reinterpret_cast<uintptr_t>(p) & (4 * sizeof(T) - 1)) == 0) {
+    if constexpr (std::is_same<T, float>::value) {
+      const float4 w = *reinterpret_cast<const float4*>(p);
+      x[0] = w.x, x[1] = w.y, x[2] = w.z, x[3] = w.w;
+    } else {
+      const uint2 w = *reinterpret_cast<const uint2*>(p);
+      const T* e = reinterpret_cast<const T*>(&w);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = to_float(e[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = to_float(p[i]);
+  }
+}
+
+// NJ: 128-key groups of a lane's keys (K <= 128 * NJ); lane l holds keys 128 j + 4 l + i, i < 4.
+template <typename InT, int NJ>
 __global__ void __launch_bounds__(kBwdThreads) backward_tokens_kernel(const BackwardArgs a) {
   const int64_t row = blockIdx.x, b = row / a.T, t = row % a.T;
   const int K = a.K, V = a.V, tid = threadIdx.x;
@@ -28,60 +51,105 @@ __global__ void __launch_bounds__(kBwdThreads) backward_tokens_kernel(const Back
     }
     return;
   }
-  // A warp per q/k head: its K <= 256 keys as 8 per lane, the norms' sums by warp butterflies (a fixed order).
-  constexpr int PER = 256 / 32;
+  // A warp per q/k head, two heads at a time (h and h + kBwdRowGroups), every load of both issued before the first
+  // sum: the kernel streams the fp32 parts, and one head's loads alone leave it latency-bound. The norms' sums by warp
+  // butterflies (a fixed order).
+  constexpr int E = 4 * NJ;  // keys per lane
   const int lane = tid & 31;
-  for (int h = tid >> 5; h < a.H; h += kBwdRowGroups) {
-    float gq[PER], gk[PER], yq[PER], yk[PER];
+  const bool ws_vec = (K & 3) == 0;  // the workspace rows (K floats each) are 16-byte aligned
+  struct Head {
+    float gq[E], gk[E], yq[E], yk[E];
+  };
+  // The token rows first, then the parts (without a loop where each q/k head has one v-head): every load of the head
+  // in flight at once, none waiting behind a loop's adds.
+  auto load = [&](int h, Head& x) {
     const int64_t qo = a.q.offset(b, t, h), ko = a.k.offset(b, t, h);
 #pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int d = lane + 32 * j;
-      gq[j] = gk[j] = yq[j] = yk[j] = 0.f;
-      if (d < K) {
-        for (int hv = h * a.group; hv < (h + 1) * a.group; ++hv) {
-          gq[j] += a.ws_dq[(row * a.HV + hv) * K + d];
-          gk[j] += a.ws_dk[(row * a.HV + hv) * K + d];
-        }
-        if (a.l2norm) {
-          yq[j] = token_at<InT>(a.q, qo, d);
-          yk[j] = token_at<InT>(a.k, ko, d);
+    for (int j = 0; j < NJ; ++j) {
+      const int d0 = 128 * j + 4 * lane;
+      float yq[4] = {0.f, 0.f, 0.f, 0.f}, yk[4] = {0.f, 0.f, 0.f, 0.f};
+      if (a.l2norm && d0 < K) {
+        const InT* q = static_cast<const InT*>(a.q.p) + qo + d0;
+        const InT* k = static_cast<const InT*>(a.k.p) + ko + d0;
+        if (d0 + 4 <= K) {
+          load_four(q, yq);
+          load_four(k, yk);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            yq[i] = d0 + i < K ? to_float(q[i]) : 0.f;
+            yk[i] = d0 + i < K ? to_float(k[i]) : 0.f;
+          }
         }
       }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x.yq[4 * j + i] = yq[i], x.yk[4 * j + i] = yk[i];
     }
+#pragma unroll
+    for (int e = 0; e < E; ++e) x.gq[e] = x.gk[e] = 0.f;
+    for (int hv = h * a.group; hv < (h + 1) * a.group; ++hv) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int d0 = 128 * j + 4 * lane;
+        if (d0 >= K) continue;
+        const float* pq = a.ws_dq + (row * a.HV + hv) * K + d0;
+        const float* pk = a.ws_dk + (row * a.HV + hv) * K + d0;
+        float wq[4], wk[4];
+        if (ws_vec) {
+          load_four(pq, wq);
+          load_four(pk, wk);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            wq[i] = d0 + i < K ? pq[i] : 0.f;
+            wk[i] = d0 + i < K ? pk[i] : 0.f;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x.gq[4 * j + i] += wq[i], x.gk[4 * j + i] += wk[i];
+      }
+    }
+  };
+  auto finish = [&](int h, Head& x) {
     if (a.l2norm) {
       float sq = 0.f, sk = 0.f;
 #pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        sq += yq[j] * yq[j];
-        sk += yk[j] * yk[j];
+      for (int e = 0; e < E; ++e) {
+        sq += x.yq[e] * x.yq[e];
+        sk += x.yk[e] * x.yk[e];
       }
       const float eps = static_cast<float>(math::kL2NormEps);
       const float rq = 1.f / sqrtf(warp_sum(sq) + eps), rk = 1.f / sqrtf(warp_sum(sk) + eps);
       float dot_q = 0.f, dot_k = 0.f;
 #pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        yq[j] *= rq;
-        yk[j] *= rk;
-        dot_q += gq[j] * yq[j];
-        dot_k += gk[j] * yk[j];
+      for (int e = 0; e < E; ++e) {
+        x.yq[e] *= rq;
+        x.yk[e] *= rk;
+        dot_q += x.gq[e] * x.yq[e];
+        dot_k += x.gk[e] * x.yk[e];
       }
       dot_q = warp_sum(dot_q);
       dot_k = warp_sum(dot_k);
 #pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        gq[j] = (gq[j] - dot_q * yq[j]) * rq;
-        gk[j] = (gk[j] - dot_k * yk[j]) * rk;
+      for (int e = 0; e < E; ++e) {
+        x.gq[e] = (x.gq[e] - dot_q * x.yq[e]) * rq;
+        x.gk[e] = (x.gk[e] - dot_k * x.yk[e]) * rk;
       }
     }
+    const int64_t qo = a.dq.offset(b, t, h), ko = a.dk.offset(b, t, h);
 #pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int d = lane + 32 * j;
+    for (int e = 0; e < E; ++e) {
+      const int d = 128 * (e >> 2) + 4 * lane + (e & 3);
       if (d < K) {
-        a.dq.store(a.dq.offset(b, t, h) + d, gq[j]);
-        a.dk.store(a.dk.offset(b, t, h) + d, gk[j]);
+        a.dq.store(qo + d, x.gq[e]);
+        a.dk.store(ko + d, x.gk[e]);
       }
     }
+  };
+  for (int h = tid >> 5; h < a.H; h += kBwdRowGroups) {
+    Head x;
+    load(h, x);
+    finish(h, x);
   }
   for (int hv = tid; hv < a.HV; hv += kBwdThreads) {
     const float* part = a.ws_dbeta + (row * a.HV + hv) * (1 + a.nks);

@@ -56,6 +56,7 @@ void backward(const BackwardParams& p, const detail::Plan& plan, const BackwardL
   if (pr.N > 0 || bl.slots + bl.fwd.tail_slots > 0) {
     ForwardArgs fa = forward_args(fwd, plan, bl.fwd, ws);
     fa.ws_tm = reinterpret_cast<float*>(ws + bl.off_tm);
+    fa.states_only = true;  // the outputs are scratch
     launch_forward_for(p.in.q.dtype, fa, bl.fwd.cfg, s);
   }
 

@@ -59,6 +59,9 @@ struct ForwardArgs : KdaArgs {
   // recurrence.
   int cp_phase = 0;
   float* cp_summary = nullptr;
+  // The chunk-start states only (the backward's recompute): the value-row recurrence skips the output products, their
+  // tiles and stores; `out` is then scratch that may stay unwritten.
+  bool states_only = false;
 
   // Sequence n's segments: their count, and the chunks of each but the last (nch: the sequence's chunks).
   __host__ __device__ __forceinline__ int64_t segments_of(int64_t nch, int64_t& per) const {

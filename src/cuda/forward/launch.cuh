@@ -41,6 +41,9 @@ void launch_recurrence_kind(const ForwardArgs& a, cudaStream_t stream) {
   const size_t bytes = recurrence_bytes<EB, KP, BV, ONE_STAGE, WG>();
   if constexpr (kVrows<KP, BV, WG>) {
     auto kernel = recurrence_vrows_kernel<Elem, KP, BV, SCAN, ONE_STAGE, WG>;
+    if constexpr (!SCAN) {
+      if (a.states_only) kernel = recurrence_vrows_kernel<Elem, KP, BV, false, ONE_STAGE, WG, true>;
+    }
     set_smem(kernel, bytes);
     kernel<<<static_cast<unsigned>(ctas), VrowsLayout<EB, KP, BV>::THREADS, bytes, stream>>>(a);
   } else {

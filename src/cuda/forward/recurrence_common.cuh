@@ -86,11 +86,11 @@ __device__ __forceinline__ void copy_ws_tile(Elem* dst, const Elem* src, int C) 
 template <typename Elem, int KC, int NT>
 __device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int C);
 
-// Chunk ci's workspace tiles into stage t as one commit group: w; qg (not SCAN) and kg unless ONE_TILE (they take
+// Chunk ci's workspace tiles into stage t as one commit group: w; qg (not NO_OUT) and kg unless ONE_TILE (they take
 // turns in w's buffer later); the tile's BV columns of u (transition tiles have u = 0); Aqk and its lo tile (not
-// SCAN); gamma. SWIZZLED: w, qg, kg, Aqk in the swizzled layout of the warpgroup MMAs (chunk 64), else row-major
+// NO_OUT: the kernel makes no outputs); gamma. SWIZZLED: w, qg, kg, Aqk in the swizzled layout of the warpgroup MMAs (chunk 64), else row-major
 // with row strides LDK / LDA.
-template <typename Elem, int KP, int BV, int NT, int LDK, int LDB, int LDA, bool SPLIT_A, bool ONE_TILE, bool SCAN,
+template <typename Elem, int KP, int BV, int NT, int LDK, int LDB, int LDA, bool SPLIT_A, bool ONE_TILE, bool NO_OUT,
           bool SWIZZLED = false>
 __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const RecurrenceTile& rt, int64_t ci,
                                             const RecurrenceStage<Elem>& t) {
@@ -100,12 +100,12 @@ __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const Recurren
   auto tile_of = [&](void* ws) { return static_cast<const Elem*>(ws) + wtile * C * KP; };
   if constexpr (SWIZZLED) {
     copy_ws_swizzled<Elem, KP, NT>(t.w, tile_of(a.ws_w), C);
-    if constexpr (!SCAN) copy_ws_swizzled<Elem, KP, NT>(t.q, tile_of(a.ws_qg), C);
+    if constexpr (!NO_OUT) copy_ws_swizzled<Elem, KP, NT>(t.q, tile_of(a.ws_qg), C);
     copy_ws_swizzled<Elem, KP, NT>(t.k, tile_of(a.ws_kg), C);
   } else {
     copy_ws_tile<Elem, KP, LDK, NT>(t.w, tile_of(a.ws_w), C);
     if constexpr (!ONE_TILE) {
-      if constexpr (!SCAN) copy_ws_tile<Elem, KP, LDK, NT>(t.q, tile_of(a.ws_qg), C);
+      if constexpr (!NO_OUT) copy_ws_tile<Elem, KP, LDK, NT>(t.q, tile_of(a.ws_qg), C);
       copy_ws_tile<Elem, KP, LDK, NT>(t.k, tile_of(a.ws_kg), C);
     }
   }
@@ -118,10 +118,10 @@ __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const Recurren
       if (r < C) cp_async16(t.u + r * LDB + c, gu + r * a.VP + c);
     }
   }
-  if constexpr (!SCAN && SWIZZLED) {
+  if constexpr (!NO_OUT && SWIZZLED) {
     copy_ws_swizzled<Elem, 64, NT>(t.a, static_cast<const Elem*>(a.ws_a) + wtile * C * C, C);
     copy_ws_swizzled<Elem, 64, NT>(t.alo, static_cast<const Elem*>(a.ws_alo) + wtile * C * C, C);
-  } else if constexpr (!SCAN) {
+  } else if constexpr (!NO_OUT) {
     const Elem* ga = static_cast<const Elem*>(a.ws_a) + wtile * C * C;
     const Elem* galo = static_cast<const Elem*>(a.ws_alo) + wtile * C * C;
     const int AC = C / EPC;

@@ -212,8 +212,8 @@ __device__ __forceinline__ void mma_split_a(FragC& c, const FragA (&a)[2], const
 
 
 // The value-row kernel's products by mma.sync (recurrence_vrows.cuh), B fragments by ldmatrix from padded tiles.
-template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE>
-struct VrowsStep<Elem, KP, BV, SCAN, ONE_STAGE, false> {
+template <typename Elem, int KP, int BV, bool NO_OUT, bool ONE_STAGE>
+struct VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, false> {
   using L = VrowsLayout<sizeof(Elem), KP, BV, ONE_STAGE, false>;
   using Op = Operand<Elem>;
   using Stage = RecurrenceStage<Elem>;
@@ -234,7 +234,7 @@ struct VrowsStep<Elem, KP, BV, SCAN, ONE_STAGE, false> {
       for (int p = 0; p < NC / 2; ++p) {
         if (2 * p < NCC) {
           Op::load_b_nk(bw[p], t.w, L::LDK, 16 * kd, 16 * p);
-          if constexpr (!SCAN) Op::load_b_nk(bq[p], t.q, L::LDK, 16 * kd, 16 * p);
+          if constexpr (!NO_OUT) Op::load_b_nk(bq[p], t.q, L::LDK, 16 * kd, 16 * p);
         }
       }
       // In-order issue: every accumulator's lo product, then every hi product, so that no MMA waits for the one
@@ -248,10 +248,10 @@ struct VrowsStep<Elem, KP, BV, SCAN, ONE_STAGE, false> {
             for (int j = 0; j < 2; ++j) {
               if constexpr (sizeof(Elem) == 2) {
                 mma_bf16(vn[2 * p + j], sa[1 - part], bw[p][j][0]);
-                if constexpr (!SCAN) mma_bf16(o[2 * p + j], sa[1 - part], bq[p][j][0]);
+                if constexpr (!NO_OUT) mma_bf16(o[2 * p + j], sa[1 - part], bq[p][j][0]);
               } else {
                 mma_split_a<Elem>(vn[2 * p + j], sa, bw[p][j]);
-                if constexpr (!SCAN) mma_split_a<Elem>(o[2 * p + j], sa, bq[p][j]);
+                if constexpr (!NO_OUT) mma_split_a<Elem>(o[2 * p + j], sa, bq[p][j]);
               }
             }
           }
@@ -262,7 +262,7 @@ struct VrowsStep<Elem, KP, BV, SCAN, ONE_STAGE, false> {
 
   __device__ __forceinline__ static void value_products(FragC (&)[ND], const FragA (&va)[NC / 2][SPLIT_V ? 2 : 1],
                                                         const Stage& t, int NCC, FragC (&o)[NC]) {
-    if constexpr (!SCAN) {  // o^T += v_new^T Aqk^T (Aqk is zero above the diagonal: source rows <= target rows)
+    if constexpr (!NO_OUT) {  // o^T += v_new^T Aqk^T (Aqk is zero above the diagonal: source rows <= target rows)
       // The lo tile's products over every source block, then the hi tile's: recurrence_kernel's order, so that both
       // kernels give the same bits (the tile width, chosen from the batch, must not change a result).
 #pragma unroll

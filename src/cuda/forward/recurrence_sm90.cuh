@@ -27,8 +27,8 @@ __device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int
   }
 }
 
-template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE>
-struct VrowsStep<Elem, KP, BV, SCAN, ONE_STAGE, true> {
+template <typename Elem, int KP, int BV, bool NO_OUT, bool ONE_STAGE>
+struct VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, true> {
   static_assert(sizeof(Elem) == 2, "warpgroup MMAs take bf16 operands");
   using L = VrowsLayout<sizeof(Elem), KP, BV, ONE_STAGE, true>;
   using Stage = RecurrenceStage<Elem>;
@@ -60,7 +60,7 @@ struct VrowsStep<Elem, KP, BV, SCAN, ONE_STAGE, true> {
 #pragma unroll
       for (int part = 0; part < 2; ++part) {
         sm90::mma_rs<sm90::Major::K>(vn, sa[kd][1 - part], dw(kd));
-        if constexpr (!SCAN) sm90::mma_rs<sm90::Major::K>(o, sa[kd][1 - part], dq(kd));
+        if constexpr (!NO_OUT) sm90::mma_rs<sm90::Major::K>(o, sa[kd][1 - part], dq(kd));
       }
     }
     sm90::commit();
@@ -94,7 +94,7 @@ struct VrowsStep<Elem, KP, BV, SCAN, ONE_STAGE, true> {
     sm90::arrive();
 #pragma unroll
     for (int kt = 0; kt < NC / 2; ++kt) sm90::mma_rs<sm90::Major::MN>(S, va[kt][0], dk(kt));
-    if constexpr (!SCAN) {
+    if constexpr (!NO_OUT) {
 #pragma unroll
       for (int part = 0; part < 2; ++part) {
 #pragma unroll

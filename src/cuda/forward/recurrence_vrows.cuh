@@ -20,20 +20,22 @@ namespace kdakit::cuda {
 
 // The chunk step's products for one architecture (specialised in recurrence_sm80.cuh and recurrence_sm90.cuh):
 //   before_handover()                   what the stage hand-over needs before its barrier
-//   state_products(S, t, NCC, vn, o, decay)  vn = S^T w^T, o = S^T qg^T (not SCAN); `decay` (S *= gamma) runs where
-//                                       the architecture overlaps it, or is left to update_state
-//   value_products(S, va, t, NCC, o)    o += v_new^T Aqk^T (not SCAN), and S += v_new^T kg where it goes with it
+//   state_products(S, t, NCC, vn, o, decay)  vn = S^T w^T, o = S^T qg^T (not NO_OUT); `decay` (S *= gamma) runs
+//                                       where the architecture overlaps it, or is left to update_state
+//   value_products(S, va, t, NCC, o)    o += v_new^T Aqk^T (not NO_OUT), and S += v_new^T kg where it goes with it
 //   store_outputs(...)                  true where the architecture stored the outputs itself
 //   update_state(S, va, t, NCC, decay)  S = S diag(gamma) + v_new^T kg, where value_products did not
-template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE, bool WG>
+template <typename Elem, int KP, int BV, bool NO_OUT, bool ONE_STAGE, bool WG>
 struct VrowsStep;
 
 // SCAN as in recurrence_kernel (the context-parallel pre-scan: E from value tiles, M from transition tiles).
-template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE = false, bool WG = false>
+// STATES_ONLY (ForwardArgs::states_only): the chunk-start states without the outputs.
+template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE = false, bool WG = false, bool STATES_ONLY = false>
 __global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV>::THREADS)
     recurrence_vrows_kernel(const ForwardArgs a) {
+  constexpr bool NO_OUT = SCAN || STATES_ONLY;  // no output products, tiles or stores
   using L = VrowsLayout<sizeof(Elem), KP, BV, ONE_STAGE, WG>;
-  using Step = VrowsStep<Elem, KP, BV, SCAN, ONE_STAGE, WG>;
+  using Step = VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, WG>;
   static_assert(KP <= 128, "the transposed state holds KP / 2 registers per thread");
   constexpr int NT = L::THREADS;
   constexpr int ND = KP / 8;   // state n-tiles (keys)
@@ -98,7 +100,7 @@ __global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV>::THREADS)
   }
 
   auto issue = [&](int64_t ci, int st) {
-    issue_chunk<Elem, KP, BV, NT, L::LDK, L::LDB, L::LDA, L::SPLIT_A, false, SCAN, WG>(a, rt, ci, stage(st));
+    issue_chunk<Elem, KP, BV, NT, L::LDK, L::LDB, L::LDA, L::SPLIT_A, false, NO_OUT, WG>(a, rt, ci, stage(st));
   };
   // S^T = S^T diag(gamma).
   auto decay = [&](const Stage& t) {
@@ -153,7 +155,7 @@ __global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV>::THREADS)
     Step::value_products(S, va, t, NCC, o);
 
     const int64_t orow0 = a.out.offset(b, t0 + ci * C, hv);
-    if (!SCAN && !Step::store_outputs(a, o, sO, orow0, nrows, r0, v0)) {
+    if (!NO_OUT && !Step::store_outputs(a, o, sO, orow0, nrows, r0, v0)) {
       with_typed(a.out, [&](auto* op) {
         using OutT = std::remove_pointer_t<decltype(op)>;
         for_each_acc<1, NC>([&](int, int nt, int e, int row, int r) {
