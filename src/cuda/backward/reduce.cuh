@@ -51,17 +51,15 @@ __global__ void __launch_bounds__(kBwdThreads) backward_tokens_kernel(const Back
     }
     return;
   }
-  // A warp per q/k head, two heads at a time (h and h + kBwdRowGroups), every load of both issued before the first
-  // sum: the kernel streams the fp32 parts, and one head's loads alone leave it latency-bound. The norms' sums by warp
-  // butterflies (a fixed order).
+  // A warp per q/k head, four consecutive keys per lane: the fp32 parts by 16-byte loads, every load of the head in
+  // flight before its first sum (the kernel streams the parts). The norms' sums by warp butterflies (a fixed order).
   constexpr int E = 4 * NJ;  // keys per lane
   const int lane = tid & 31;
   const bool ws_vec = (K & 3) == 0;  // the workspace rows (K floats each) are 16-byte aligned
   struct Head {
     float gq[E], gk[E], yq[E], yk[E];
   };
-  // The token rows first, then the parts (without a loop where each q/k head has one v-head): every load of the head
-  // in flight at once, none waiting behind a loop's adds.
+  // The token rows first, then the parts summed over the group's v-heads: no row load waits behind the loop's adds.
   auto load = [&](int h, Head& x) {
     const int64_t qo = a.q.offset(b, t, h), ko = a.k.offset(b, t, h);
 #pragma unroll
