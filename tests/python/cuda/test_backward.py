@@ -133,6 +133,7 @@ GRID = [
     (2, 15, 2, 4, 60, 100, "softplus", torch.float32, True, True, True, 64),
     (1, 63, 1, 8, 64, 64, "pre", torch.bfloat16, False, False, False, 32),
     (2, 64, 2, 2, 100, 60, "lower_bound", None, False, True, True, 64),
+    (1, 130, 2, 2, 30, 36, "softplus", torch.float32, False, True, False, 64),  # K, V not multiples of 4
     (1, 65, 1, 4, 128, 128, "softplus", torch.bfloat16, True, True, False, 64),
     (1, 1000, 2, 2, 128, 128, "pre", torch.float32, False, True, False, 64),
     (1, 4097, 1, 1, 64, 64, "lower_bound", torch.float32, True, False, True, 64),

@@ -144,7 +144,8 @@ def test_gva(group):
     check(make(2, 300, 2, 2 * group, 128))
 
 
-@pytest.mark.parametrize("K,V", [(16, 16), (60, 100), (64, 64), (100, 60), (128, 256), (256, 128), (256, 256)])
+@pytest.mark.parametrize("K,V", [(16, 16), (30, 36), (60, 100), (64, 64), (100, 60), (128, 256), (256, 128),
+                                 (256, 256)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_head_dims(K, V, dtype):
     check(make(1, 200, 1, 2, K, V, dtype=dtype))
