@@ -14,6 +14,8 @@
 // (huge gates) keeps the running products, per accumulator element.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/backward/common.cuh"
 #include "cuda/common/sm80/mma.cuh"
 
@@ -207,32 +209,37 @@ __device__ __forceinline__ void col_side(const GradSlice& s, const DplSource<CAC
   using Op = Operand<float>;
   const int c0 = 16 * blk, kc = n0 + acc_col(0);
   const float *dP = src.dP, *dL = src.dL;
-  // Later blocks, anchored at this block's end.
-  float acc[4] = {0.f, 0.f, 0.f, 0.f}, emid[2] = {1.f, 1.f};
-  for (int r = blk + 1; r < NSUB; ++r) {
-    const int r0 = 16 * r;
-    FragC part;
-    part.zero();
+  // part += (the dP block's columns) (q ex) + (the dL block's columns) (beta k ex) over rows a0 .. a0 + 15, ex an
+  // exponent tile; `diagonal` (std::true_type for the block at rows c0: its strictly lower part) is a compile-time
+  // fact, so that the fragment builds fold their masks.
+  auto add_pair_products = [&](FragC& part, int a0, const float* ex, auto diagonal) {
     {
       FragA ap[2];
       FragB bq[2];
-      src.cols(ap, 0, r0, c0, false);
-      build_b(bq, [&](int k, int n) {  // q e^lam
-        const int o = (r0 + k) * LDK + n0 + n;
-        return r0 + k < nrows ? s.q[o] * s.el[o] : 0.f;
+      src.cols(ap, 0, a0, c0, decltype(diagonal)::value);
+      build_b(bq, [&](int k, int n) {
+        const int o = (a0 + k) * LDK + n0 + n;
+        return a0 + k < nrows ? s.q[o] * ex[o] : 0.f;
       });
       Op::mma(part, ap, bq);
     }
     {
       FragA al[2];
       FragB bb[2];
-      src.cols(al, 1, r0, c0, false);
-      build_b(bb, [&](int k, int n) {  // beta k e^lam
-        const int o = (r0 + k) * LDK + n0 + n;
-        return r0 + k < nrows ? s.beta[r0 + k] * s.k[o] * s.el[o] : 0.f;
+      src.cols(al, 1, a0, c0, decltype(diagonal)::value);
+      build_b(bb, [&](int k, int n) {
+        const int o = (a0 + k) * LDK + n0 + n;
+        return a0 + k < nrows ? s.beta[a0 + k] * s.k[o] * ex[o] : 0.f;
       });
       Op::mma(part, al, bb);
     }
+  };
+  // Later blocks, anchored at this block's end: q e^lam and beta k e^lam.
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, emid[2] = {1.f, 1.f};
+  for (int r = blk + 1; r < NSUB; ++r) {
+    FragC part;
+    part.zero();
+    add_pair_products(part, 16 * r, s.el, std::false_type());
 #pragma unroll
     for (int x = 0; x < 4; ++x) acc[x] += emid[x & 1] * part.x[x];
     emid[0] *= s.etot[r * KS + kc];
@@ -243,26 +250,7 @@ __device__ __forceinline__ void col_side(const GradSlice& s, const DplSource<CAC
   if (factorised_block(s, blk)) {
     FragC dg;
     dg.zero();
-    {
-      FragA ap[2];
-      FragB bq[2];
-      src.cols(ap, 0, c0, c0, true);
-      build_b(bq, [&](int k, int n) {
-        const int o = (c0 + k) * LDK + n0 + n;
-        return c0 + k < nrows ? s.q[o] * s.es[o] : 0.f;
-      });
-      Op::mma(dg, ap, bq);
-    }
-    {
-      FragA al[2];
-      FragB bb[2];
-      src.cols(al, 1, c0, c0, true);
-      build_b(bb, [&](int k, int n) {
-        const int o = (c0 + k) * LDK + n0 + n;
-        return c0 + k < nrows ? s.beta[c0 + k] * s.k[o] * s.es[o] : 0.f;
-      });
-      Op::mma(dg, al, bb);
-    }
+    add_pair_products(dg, c0, s.es, std::true_type());
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
       diag[x] = __fdividef(dg.x[x], s.es[min(c0 + acc_row(x), nrows - 1) * LDK + kc + (x & 1)]);  // x exp(-sigma)

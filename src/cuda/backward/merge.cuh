@@ -15,15 +15,9 @@ template <int KP>
 __global__ void __launch_bounds__(kMergeThreads) backward_segment_merge_kernel(const BackwardArgs a) {
   using L = MergeLayout<KP>;
   const int VT_cols = a.seg_ld - KP;  // value columns of a slot; M^T after them
-  const int CB = (a.V + kMergeCols - 1) / kMergeCols;
-  int64_t idx = blockIdx.x;
-  const int cb = static_cast<int>(idx % CB);
-  idx /= CB;
-  const int hv = static_cast<int>(idx % a.HV);
-  const int n = static_cast<int>(idx / a.HV);
-  int64_t b, t0, len, per;
-  sequence(a, n, b, t0, len);
-  const int64_t nseg = a.segments_of((len + a.chunk - 1) / a.chunk, per);
+  const MergeCta m = merge_cta(a, (a.V + kMergeCols - 1) / kMergeCols);
+  const int cb = m.cb, hv = m.hv, n = m.n;
+  const int64_t nseg = m.nseg;
   if (nseg <= 2) return;  // the last segment's E is in place
   extern __shared__ __align__(16) char smem_raw[];
   float* sS = reinterpret_cast<float*>(smem_raw);  // [KP][LDS] dS_end(s), this CTA's columns

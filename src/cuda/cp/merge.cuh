@@ -73,19 +73,33 @@ __device__ __forceinline__ void merge_step(float* sS, float* sM, int K, int m_co
   __syncthreads();  // Y visible to the CTA before it is read as the next X
 }
 
+// A merge CTA's place: blockIdx.x over (sequence n, v-head hv, column block cb of CB), and the sequence's segments.
+// The forward's merge and the backward's share it.
+struct MergeCta {
+  int cb = 0, hv = 0, n = 0;
+  int64_t nseg = 0;
+};
+template <typename Args>
+__device__ __forceinline__ MergeCta merge_cta(const Args& a, int CB) {
+  MergeCta m;
+  int64_t idx = blockIdx.x;
+  m.cb = static_cast<int>(idx % CB);
+  idx /= CB;
+  m.hv = static_cast<int>(idx % a.HV);
+  m.n = static_cast<int>(idx / a.HV);
+  int64_t b, t0, len, per;
+  sequence(a, m.n, b, t0, len);
+  m.nseg = a.segments_of((len + a.chunk - 1) / a.chunk, per);
+  return m;
+}
+
 template <int KP>
 __global__ void __launch_bounds__(kMergeThreads) segment_merge_kernel(const ForwardArgs a) {
   using L = MergeLayout<KP>;
   const int VT_cols = a.seg_ld - KP;  // value columns of a slot
-  const int CB = (VT_cols + kMergeCols - 1) / kMergeCols;
-  int64_t idx = blockIdx.x;
-  const int cb = static_cast<int>(idx % CB);
-  idx /= CB;
-  const int hv = static_cast<int>(idx % a.HV);
-  const int n = static_cast<int>(idx / a.HV);
-  int64_t b, t0, len, per;
-  sequence(a, n, b, t0, len);
-  const int64_t nseg = a.segments_of((len + a.chunk - 1) / a.chunk, per);
+  const MergeCta m = merge_cta(a, (VT_cols + kMergeCols - 1) / kMergeCols);
+  const int cb = m.cb, hv = m.hv, n = m.n;
+  const int64_t nseg = m.nseg;
   // Nothing to merge: one segment (two without a seed: the first's end is in place), or a padding sequence.
   if (nseg <= (a.cp_phase == kCpFinish ? 1 : 2) || a.state_slot(n) < 0) return;
   extern __shared__ __align__(16) char smem_raw[];
