@@ -148,11 +148,11 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
 
   const float* hS = static_cast<const float*>(a.h.p) + a.h.block(a.cu_seqlens.present(), ch.b, ch.ci, blockIdx.x, hv);
   const bool s_vec = reinterpret_cast<uintptr_t>(hS) % 16 == 0;  // the workspace's rows are (V % 4 == 0)
+  // dO and v (bf16) in 16-byte pieces: whole pieces per row, aligned rows.
+  const bool vec_rows = a.d_out.dtype == DType::kBFloat16 && rows_vec(a.d_out, 8, V) && rows_vec(a.v, 8, V);
   const float* gdH = a.ws_dh + tile * K * V;
   const float* gdv = a.ws_dvnew + t_v;
-  // rowsum(S dH): work items (key, q) = (i / 4, i % 4) for i = tid and tid + 384 (below 512): columns 4q..4q+3 of
-  // every 16-column tile, in order (state_products_sm80.cuh's four threads of a key).
-  float dgam[2] = {0.f, 0.f};
+  float dgam[2] = {0.f, 0.f};  // rowsum(S dH) of the thread's two (key, q) items (the loads below)
 
   // The accumulators: warpgroup 0 dkg, 1 dkbg, 2 dqg ([64][KT * 64]); 1 dL, 2 dP ([64][64]).
   FragC acc[2][8], acc2[8];
@@ -162,44 +162,85 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
 
   for (int c0 = 0; c0 < V; c0 += 64) {
     __syncthreads();  // every warpgroup is done with the previous half's tiles
-    // S and dH of every key tile, dv_new: fp32 rows by 16-byte loads (zero past K, V, nrows), split into the tiles.
-    for (int e = tid; e < (2 * KT * 64 + 64) * 16; e += kWsSm90Threads) {
-      const int row = e >> 4, c = 4 * (e & 15), col = c0 + c;
-      const int which = row < KT * 64 ? 0 : row < 2 * KT * 64 ? 1 : 2, r = row - which * KT * 64;
-      float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-      const bool in = col < V && (which == 2 ? r < nrows : r < K);  // V % 4 == 0: whole pieces
-      if (in) {
-        const float* src = (which == 0 ? hS + int64_t(r) * V : which == 1 ? gdH + int64_t(r) * V : gdv + r * V) + col;
-        if (which != 0 || s_vec) x = *reinterpret_cast<const float4*>(src);
-        else x = make_float4(src[0], src[1], src[2], src[3]);
-      }
-      bf16* base = which == 0 ? sS + 2 * (r >> 6) * TILE : which == 1 ? sH + 2 * (r >> 6) * TILE : sDv;
-      store_split(base, base + TILE, r & 63, c, x.x, x.y);
-      store_split(base, base + TILE, r & 63, c + 2, x.z, x.w);
-    }
-    // dO and v rows of the half (bf16, zero outside).
-    for (int e = tid; e < 64 * 64; e += kWsSm90Threads) {
-      const int r = e >> 6, c = e & 63, col = c0 + c;
-      const bool in = r < nrows && col < V;
-      sO[r * L::LDR + c] = in ? a.d_out.load(a.d_out.offset(ch.b, ch.row0 + r, hv) + col) : 0.f;
-      sV[r * L::LDR + c] =
-          in ? static_cast<const bf16*>(a.v.p)[a.v.offset(ch.b, ch.row0 + r, hv) + col] : __float2bfloat16_rn(0.f);
-    }
-    // rowsum(S dH) over the half's columns, from the fp32 rows.
+    // Every thread issues all its loads of the half before it uses any (one round trip to memory, not one per row
+    // piece). S and dH: work items (key, q) = (i / 4, i % 4), i = tid and tid + 384 below 4 KT * 64: columns
+    // 4q .. 4q + 3 of each 16-column tile, which is also how state_products_sm80.cuh sums rowsum(S dH) (a key's four
+    // threads, the tiles in order; their sum at the end). Zero past K and V.
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int i = tid + j * kWsSm90Threads, key = i >> 2, q = i & 3;
-      if (i < 512 && key < K) {
-        for (int c = 0; c < 64; c += 16) {
-          if (c0 + c < V) {
+      if (i < 4 * KT * 64) {
+        float4 xs[4], xh[4];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-              const int col = c0 + c + 4 * q + u;
-              const float s = col < V ? hS[int64_t(key) * V + col] : 0.f, h = col < V ? gdH[int64_t(key) * V + col] : 0.f;
-              dgam[j] += s * h;
-            }
+        for (int u = 0; u < 4; ++u) {
+          const int col = c0 + 16 * u + 4 * q;
+          xs[u] = xh[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (key < K && col < V) {  // V % 4 == 0: whole pieces
+            const float* src = hS + int64_t(key) * V + col;
+            xs[u] = s_vec ? *reinterpret_cast<const float4*>(src) : make_float4(src[0], src[1], src[2], src[3]);
+            xh[u] = *reinterpret_cast<const float4*>(gdH + int64_t(key) * V + col);
           }
         }
+        bf16* ts = sS + 2 * (key >> 6) * TILE;
+        bf16* th = sH + 2 * (key >> 6) * TILE;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if (key < K && c0 + 16 * u < V) {
+            dgam[j] += xs[u].x * xh[u].x;
+            dgam[j] += xs[u].y * xh[u].y;
+            dgam[j] += xs[u].z * xh[u].z;
+            dgam[j] += xs[u].w * xh[u].w;
+          }
+          const int c = 16 * u + 4 * q;
+          store_split(ts, ts + TILE, key & 63, c, xs[u].x, xs[u].y);
+          store_split(ts, ts + TILE, key & 63, c + 2, xs[u].z, xs[u].w);
+          store_split(th, th + TILE, key & 63, c, xh[u].x, xh[u].y);
+          store_split(th, th + TILE, key & 63, c + 2, xh[u].z, xh[u].w);
+        }
+      }
+    }
+    {  // dv_new: 64 rows x 16 pieces, up to three a thread; zero past nrows and V
+      constexpr int N = (64 * 16 + kWsSm90Threads - 1) / kWsSm90Threads;
+      float4 x[N];
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int e = tid + j * kWsSm90Threads, r = e >> 4, col = c0 + 4 * (e & 15);
+        x[j] = e < 64 * 16 && r < nrows && col < V ? *reinterpret_cast<const float4*>(gdv + r * V + col)
+                                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int e = tid + j * kWsSm90Threads, r = e >> 4, c = 4 * (e & 15);
+        if (e < 64 * 16) {
+          store_split(sDv, sDv + TILE, r, c, x[j].x, x[j].y);
+          store_split(sDv, sDv + TILE, r, c + 2, x[j].z, x[j].w);
+        }
+      }
+    }
+    // dO and v rows of the half (bf16, zero outside): 16-byte pieces where the rows allow them.
+    if (vec_rows) {
+      constexpr int N = (2 * 64 * 8 + kWsSm90Threads - 1) / kWsSm90Threads;
+      uint4 x[N];
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int e = tid + j * kWsSm90Threads, m = e >> 9, r = (e >> 3) & 63, col = c0 + 8 * (e & 7);
+        const TokenRows& tr = m == 0 ? a.d_out : a.v;
+        x[j] = e < 2 * 64 * 8 && r < nrows && col < V
+                   ? *reinterpret_cast<const uint4*>(static_cast<const bf16*>(tr.p) + tr.offset(ch.b, ch.row0 + r, hv) + col)
+                   : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int e = tid + j * kWsSm90Threads, m = e >> 9, r = (e >> 3) & 63, c = 8 * (e & 7);
+        if (e < 2 * 64 * 8) *reinterpret_cast<uint4*>((m == 0 ? sO : sV) + r * L::LDR + c) = x[j];
+      }
+    } else {
+      for (int e = tid; e < 64 * 64; e += kWsSm90Threads) {
+        const int r = e >> 6, c = e & 63, col = c0 + c;
+        const bool in = r < nrows && col < V;
+        sO[r * L::LDR + c] = in ? a.d_out.load(a.d_out.offset(ch.b, ch.row0 + r, hv) + col) : 0.f;
+        sV[r * L::LDR + c] =
+            in ? static_cast<const bf16*>(a.v.p)[a.v.offset(ch.b, ch.row0 + r, hv) + col] : __float2bfloat16_rn(0.f);
       }
     }
     sm90::fence_shared_to_async();
