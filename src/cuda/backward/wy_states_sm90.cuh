@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "cuda/backward/common.cuh"
+#include "cuda/common/sm80/cp_async.cuh"
 #include "cuda/common/sm90/gmma.cuh"
 #include "cuda/forward/recurrence_common.cuh"
 
@@ -88,7 +89,9 @@ struct Layout {
   static constexpr std::size_t tm_rows = w_rows + 64 * LDW * 2;          // Tm hi, lo [64][LDT]
   static constexpr std::size_t do_rows = tm_rows + 2 * 64 * LDT * 2;     // dO [64][LDR]
   static constexpr std::size_t v_rows = do_rows + 64 * LDR * 2;          // v [64][LDR]
-  static constexpr std::size_t beta = v_rows + 64 * LDR * 2;             // [64] f32
+  static constexpr std::size_t u_rows = v_rows + 64 * LDR * 2;           // u [64][LDR]
+  static constexpr std::size_t dv_stage = u_rows + 64 * LDR * 2;         // dv_new f32 [64][64]
+  static constexpr std::size_t beta = dv_stage + 64 * 64 * 4;            // [64] f32
   static constexpr std::size_t bytes = beta + 64 * 4;
   static_assert(bytes + 1024 == bwd_wy_states_sm90_smem(), "the planner's size, with the alignment's slack");
   static_assert(h_tiles % 1024 == 0 && dv_tiles % 1024 == 0 && vn_tiles % 1024 == 0, "swizzle-aligned tiles");
@@ -120,6 +123,8 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
   bf16* sTm = reinterpret_cast<bf16*>(smem + L::tm_rows);  // hi, then lo at 64 LDT
   bf16* sO = reinterpret_cast<bf16*>(smem + L::do_rows);
   bf16* sV = reinterpret_cast<bf16*>(smem + L::v_rows);
+  bf16* sU = reinterpret_cast<bf16*>(smem + L::u_rows);
+  float* sDvF = reinterpret_cast<float*>(smem + L::dv_stage);
   float* sBeta = reinterpret_cast<float*>(smem + L::beta);
 
   // The chunk's w (all keys) and Tm (zero outside rows [i, nrows) of column i, split), beta.
@@ -160,8 +165,28 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[0][i].zero(), acc[1][i].zero(), acc2[i].zero();
 
+  const bf16* gu = static_cast<const bf16*>(a.ws_u) + tile * C * a.VP;
   for (int c0 = 0; c0 < V; c0 += 64) {
     __syncthreads();  // every warpgroup is done with the previous half's tiles
+    // dv_new (fp32, to be split below), u, and dO and v where their rows allow 16-byte pieces: cp.async, issued first
+    // so that they land while the S and dH loads below wait. Zero past nrows and V.
+    for (int e = tid; e < 64 * 16; e += kWsSm90Threads) {
+      const int r = e >> 4, c = 4 * (e & 15);
+      const bool in = r < nrows && c0 + c < V;
+      cp_async16(sDvF + r * 64 + c, gdv + (in ? r * V + c0 + c : 0), in ? 16 : 0);
+    }
+    for (int e = tid; e < 64 * 8 * (vec_rows ? 3 : 1); e += kWsSm90Threads) {
+      const int m = e >> 9, r = (e >> 3) & 63, c = 8 * (e & 7), col = c0 + c;
+      if (m == 0) {  // u's tile rows are VP >= c0 + 64 wide
+        cp_async16(sU + r * L::LDR + c, gu + r * a.VP + col);
+      } else {
+        const TokenRows& tr = m == 1 ? a.d_out : a.v;
+        const bool in = r < nrows && col < V;
+        cp_async16((m == 1 ? sO : sV) + r * L::LDR + c,
+                   static_cast<const bf16*>(tr.p) + (in ? tr.offset(ch.b, ch.row0 + r, hv) + col : 0), in ? 16 : 0);
+      }
+    }
+    cp_async_commit();
     // Every thread issues all its loads of the half before it uses any (one round trip to memory, not one per row
     // piece). S and dH: work items (key, q) = (i / 4, i % 4), i = tid and tid + 384 below 4 KT * 64: columns
     // 4q .. 4q + 3 of each 16-column tile, which is also how state_products_sm80.cuh sums rowsum(S dH) (a key's four
@@ -199,42 +224,14 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
         }
       }
     }
-    {  // dv_new: 64 rows x 16 pieces, up to three a thread; zero past nrows and V
-      constexpr int N = (64 * 16 + kWsSm90Threads - 1) / kWsSm90Threads;
-      float4 x[N];
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const int e = tid + j * kWsSm90Threads, r = e >> 4, col = c0 + 4 * (e & 15);
-        x[j] = e < 64 * 16 && r < nrows && col < V ? *reinterpret_cast<const float4*>(gdv + r * V + col)
-                                                   : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const int e = tid + j * kWsSm90Threads, r = e >> 4, c = 4 * (e & 15);
-        if (e < 64 * 16) {
-          store_split(sDv, sDv + TILE, r, c, x[j].x, x[j].y);
-          store_split(sDv, sDv + TILE, r, c + 2, x[j].z, x[j].w);
-        }
-      }
+    cp_async_wait<0>();
+    __syncthreads();  // the copies above landed
+    for (int e = tid; e < 64 * 32; e += kWsSm90Threads) {  // dv_new split, a pair of columns a thread
+      const int r = e >> 5, c = 2 * (e & 31);
+      const float2 x = *reinterpret_cast<const float2*>(sDvF + r * 64 + c);
+      store_split(sDv, sDv + TILE, r, c, x.x, x.y);
     }
-    // dO and v rows of the half (bf16, zero outside): 16-byte pieces where the rows allow them.
-    if (vec_rows) {
-      constexpr int N = (2 * 64 * 8 + kWsSm90Threads - 1) / kWsSm90Threads;
-      uint4 x[N];
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const int e = tid + j * kWsSm90Threads, m = e >> 9, r = (e >> 3) & 63, col = c0 + 8 * (e & 7);
-        const TokenRows& tr = m == 0 ? a.d_out : a.v;
-        x[j] = e < 2 * 64 * 8 && r < nrows && col < V
-                   ? *reinterpret_cast<const uint4*>(static_cast<const bf16*>(tr.p) + tr.offset(ch.b, ch.row0 + r, hv) + col)
-                   : make_uint4(0u, 0u, 0u, 0u);
-      }
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const int e = tid + j * kWsSm90Threads, m = e >> 9, r = (e >> 3) & 63, c = 8 * (e & 7);
-        if (e < 2 * 64 * 8) *reinterpret_cast<uint4*>((m == 0 ? sO : sV) + r * L::LDR + c) = x[j];
-      }
-    } else {
+    if (!vec_rows) {  // dO and v element by element (other dtypes, unaligned rows)
       for (int e = tid; e < 64 * 64; e += kWsSm90Threads) {
         const int r = e >> 6, c = e & 63, col = c0 + c;
         const bool in = r < nrows && col < V;
@@ -266,13 +263,12 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
         }
         mma_group<sm90::Major::MN, true>(vn, aw, sS + 2 * kt * TILE);
       }
-      const bf16* gu = static_cast<const bf16*>(a.ws_u) + tile * C * a.VP;
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = r0 + 8 * h, c = 8 * nt + 2 * t, gc = c0 + c;
-          const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gu + r * a.VP + gc));
+          const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sU + r * L::LDR + c));
           const bool rin = r < nrows;
           vn[nt].x[2 * h] = rin && gc < V ? uf.x - vn[nt].x[2 * h] : 0.f;
           vn[nt].x[2 * h + 1] = rin && gc + 1 < V ? uf.y - vn[nt].x[2 * h + 1] : 0.f;
