@@ -351,20 +351,29 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
     }
   }
 
-  // The per-token parts: warpgroup 2 dq = scale dqg, 1 dk = -dkbg, 0 dkg; rowsum(S dH) per key.
+  // The per-token parts: warpgroup 2 dq = scale dqg, 1 dk = -dkbg, 0 dkg (a row's two adjacent keys in one 8-byte
+  // store where K is even); rowsum(S dH) per key.
+  {
+    float* part = wg == 2 ? a.ws_dq : wg == 1 ? a.ws_dk : a.ws_dkg;
+    const float f = wg == 2 ? a.scale : wg == 1 ? -1.f : 1.f;
 #pragma unroll
-  for (int kt = 0; kt < 2; ++kt) {
+    for (int h = 0; h < 2; ++h) {
+      const int i = r0 + 8 * h;
+      if (i < nrows) {
+        float* row = part + (a.row(ch.b, ch.row0 + i) * a.HV + hv) * K;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+        for (int kt = 0; kt < 2; ++kt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = r0 + 8 * (e >> 1), d = 64 * kt + 8 * nt + 2 * t + (e & 1);
-        if (i < nrows && d < K) {
-          const int64_t o = (a.row(ch.b, ch.row0 + i) * a.HV + hv) * K + d;
-          const float x = acc[kt][nt].x[e];
-          if (wg == 2) a.ws_dq[o] = a.scale * x;
-          else if (wg == 1) a.ws_dk[o] = -x;
-          else a.ws_dkg[o] = x;
+          for (int nt = 0; nt < 8; ++nt) {
+            const int d = 64 * kt + 8 * nt + 2 * t;
+            const float x0 = f * acc[kt][nt].x[2 * h], x1 = f * acc[kt][nt].x[2 * h + 1];
+            if ((K & 1) == 0 && d + 1 < K) {
+              *reinterpret_cast<float2*>(row + d) = make_float2(x0, x1);
+            } else {
+              if (d < K) row[d] = x0;
+              if (d + 1 < K) row[d + 1] = x1;
+            }
+          }
         }
       }
     }
