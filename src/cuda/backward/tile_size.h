@@ -103,7 +103,7 @@ constexpr std::size_t bwd_state_smem(int C) {
 }
 
 // The WY pass with the state products on warpgroup MMAs (wy_states_sm90.cuh): three warpgroups, and a fixed
-// shared-memory layout (wy_states_sm90::Layout, about 173 KB, and 1 KB of slack to align its base to 1024 bytes).
+// shared-memory layout (wy_states_sm90::Layout, about 174 KB, and 1 KB of slack to align its base to 1024 bytes).
 constexpr int kWsSm90Threads = 384;
 constexpr std::size_t bwd_wy_states_sm90_smem() {
   // S and dH hi + lo tiles for 128 keys, dv_new and v_new hi + lo ([64][64] bf16 each); w [64][136], Tm hi + lo

@@ -3,8 +3,8 @@
 // One CTA of three warpgroups per (chunk, v-head), bf16 inputs, chunk 64, K <= 128, V <= 128, the chunk-start states
 // an fp32 [K][V] block. Over value halves of 64 columns:
 //   load: S = h_c, dH (the reverse scan's end-state gradient) and dv_new, split into hi and lo bf16 tiles of
-//         [64 keys or rows][64 values] in the 128-byte-swizzled layout (common/sm90/gmma.cuh), dO and v as bf16 rows;
-//         and the state decay's rowsum(S dH) per key, summed as state_products_sm80.cuh sums it.
+//         [64 keys or rows][64 values] in the 128-byte-swizzled layout (common/sm90/gmma.cuh); u, dO and v as bf16
+//         rows; and the state decay's rowsum(S dH) per key, summed as state_products_sm80.cuh sums it.
 //   warpgroup 0: v_new = u - w S (w in registers, S as the MN-major B: lo then hi per 16-key step, the forward's
 //         order), stored split for the others, then dkg += v_new dH^T (dH as the K-major B);
 //   warpgroup 1: dbv = Tm^T dv_new, dv = beta dbv (final) and beta's value part rowsum(dbv v), then
@@ -303,7 +303,8 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
           for (int h = 0; h < 2; ++h) {
             const int r = r0 + 8 * h, c = 8 * nt + 2 * t, gc = c0 + c;
             const bool rin = r < nrows;
-            const float d0v = rin && gc < V ? db[nt].x[2 * h] : 0.f, d1v = rin && gc + 1 < V ? db[nt].x[2 * h + 1] : 0.f;
+            const float d0v = rin && gc < V ? db[nt].x[2 * h] : 0.f;
+            const float d1v = rin && gc + 1 < V ? db[nt].x[2 * h + 1] : 0.f;
             db[nt].x[2 * h] = d0v;
             db[nt].x[2 * h + 1] = d1v;
             if (rin) {
