@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
+
 #include "common/kda_math.h"
 #include "cuda/backward/args.h"
 #include "cuda/backward/tile_size.h"
@@ -27,6 +29,12 @@ __device__ __forceinline__ bool chunk_of(const BackwardArgs& a, int64_t slot, Ch
   c.row0 = c.t0 + c.ci * a.chunk;
   c.nrows = static_cast<int>(min(static_cast<int64_t>(a.chunk), c.len - c.ci * a.chunk));
   return true;
+}
+
+// Token rows that may be copied in 16-byte pieces of epc elements: aligned base and strides, whole pieces per row.
+__device__ __forceinline__ bool rows_vec(const TokenRows& t, int epc, int cols) {
+  return cols % epc == 0 && reinterpret_cast<uintptr_t>(t.p) % 16 == 0 && t.sb % epc == 0 && t.st % epc == 0 &&
+         t.sh % epc == 0;
 }
 
 // Element i of a forward workspace tile of Elem (bf16 or float).

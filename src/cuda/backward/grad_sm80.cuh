@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
   const bool in_kernel = a.gate_mode != GateMode::kPreGated, has_bias = in_kernel && a.dt_bias.present();
   const grad::Gate gate(a, hv);
   constexpr int QK_EPC = 16 / sizeof(InT);
-  const bool q_vec = wy::rows_vec(a.q, QK_EPC, K), k_vec = wy::rows_vec(a.k, QK_EPC, K);
+  const bool q_vec = rows_vec(a.q, QK_EPC, K), k_vec = rows_vec(a.k, QK_EPC, K);
   // The 16-key slices in turn, each ending in its own partial sums (dbeta's key part, dA_log); the rows' facts above
   // are the chunk's, taken once.
   for (int ks = 0; ks < a.nks; ++ks) {
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
                           [&](int r, int dl, float v, bool) { s.k[r * LDK + dl] = v * s.rk[r]; });
     with_typed(a.g, [&](auto* gp) {
       using G = std::remove_cv_t<std::remove_pointer_t<decltype(gp)>>;
-      grad::slice_rows<G>(a.g, wy::rows_vec(a.g, 16 / sizeof(G), K), ch, hv, C, K, d0,
+      grad::slice_rows<G>(a.g, rows_vec(a.g, 16 / sizeof(G), K), ch, hv, C, K, d0,
                           [&](int r, int dl, float raw, bool in) {
                             const int o = r * LDK + dl;
                             if (!in_kernel) {

@@ -15,6 +15,7 @@
 #include "cuda/backward/scan_sm80.cuh"
 #include "cuda/backward/state_products_sm80.cuh"
 #include "cuda/backward/wy_sm80.cuh"
+#include "cuda/backward/wy_states_sm90.cuh"
 #include "cuda/common/static_switch.h"
 #include "cuda/device.h"
 
@@ -61,7 +62,13 @@ template <typename InT>
 void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream_t stream) {
   using Elem = typename std::conditional<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16, float>::type;
   if (a.N > 0) launch_backward_scan<Elem>(a, bl, stream);
-  if (bl.slots > 0) {
+  constexpr bool kBf16 = std::is_same<InT, __nv_bfloat16>::value;
+  if (kBf16 && bl.slots > 0 && bl.ws_sm90) {  // the planner sets ws_sm90 for bf16 inputs only
+    auto ws = backward_wy_states_sm90_kernel<__nv_bfloat16>;
+    set_dynamic_smem(reinterpret_cast<const void*>(ws), bl.smem.wy);
+    ws<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV)), kWsSm90Threads, bl.smem.wy, stream>>>(a);
+    check_launch("backward_wy_states_sm90_kernel");
+  } else if (bl.slots > 0) {
     auto wy = a.chunk == 32 ? backward_wy_kernel<InT, Elem, 32> : backward_wy_kernel<InT, Elem, 64>;
     set_dynamic_smem(reinterpret_cast<const void*>(wy), bl.smem.wy);
     wy<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV)), kBwdThreads, bl.smem.wy, stream>>>(a);
@@ -72,6 +79,8 @@ void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream
                  static_cast<unsigned>((a.K + kBwdStateKeys - 1) / kBwdStateKeys)),
             kBwdStateThreads, bl.smem.state, stream>>>(a);
     check_launch("backward_state_products_kernel");
+  }
+  if (bl.slots > 0) {
     auto grad = bl.grad_cache ? backward_grad_kernel<InT, true> : backward_grad_kernel<InT, false>;
     set_dynamic_smem(reinterpret_cast<const void*>(grad), bl.smem.grad);
     grad<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV)), kBwdThreads, bl.smem.grad, stream>>>(a);

@@ -100,6 +100,14 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
   bp.vt = static_cast<int>((pr.V + bp.scan_bv - 1) / bp.scan_bv);
   bp.grad_cache = tuning.backward_grad_cache && bwd_grad_cache_fits(C, limit);
   bp.smem = backward_smem(C, KP, bwd_scan_smem(esz, KP, bp.scan_bv, bp.scan_ring), bp.grad_cache);
+  const bool states_f32 = !p.chunk_states.present() || p.chunk_states.dtype == DType::kFloat32;
+  bp.ws_sm90 = device.compute_capability == 90 && tuning.backward_wgmma && esz == 2 && C == 64 && KP <= 128 &&
+               pr.V <= 128 && pr.V % 4 == 0 && p.d_out.dtype == DType::kBFloat16 &&
+               p.layout == StateLayout::kKV && states_f32 && bwd_wy_states_sm90_smem() <= limit;
+  if (bp.ws_sm90) {
+    bp.smem.wy = bwd_wy_states_sm90_smem();
+    bp.smem.state = 0;
+  }
   const std::size_t need = std::max({bp.smem.scan, bp.smem.wy, bp.smem.state, bp.smem.grad, bp.smem.merge});
   if (need > limit) {
     throw CudaError("kdakit: the CUDA backward's kernels need " + std::to_string(need) +
@@ -127,19 +135,23 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
              w.off == &fl.off_gam) last = kBwdScan;
     parts.push_back({w.off, w.bytes, kBwdForward, last});
   }
+  // With the fused kernel, the state products' step is the WY pass's.
+  const int states = bp.ws_sm90 ? kBwdWy : kBwdStates;
   parts.push_back({&bp.off_tm, tiles * C * C * f, kBwdForward, kBwdWy});
   parts.push_back({&bp.off_out, rows * V * dtype_size(p.in.q.dtype), kBwdForward, kBwdForward});
-  if (bp.recompute_states) parts.push_back({&bp.off_h, tiles * K * V * f, kBwdForward, kBwdStates});
-  parts.push_back({&bp.off_dh, tiles * K * V * f, kBwdScan, kBwdStates});
+  if (bp.recompute_states) parts.push_back({&bp.off_h, tiles * K * V * f, kBwdForward, states});
+  parts.push_back({&bp.off_dh, tiles * K * V * f, kBwdScan, states});
   parts.push_back({&bp.off_dvnew, tiles * C * V * f, kBwdScan, kBwdWy});
-  parts.push_back({&bp.off_vnew, tiles * C * V * f, kBwdWy, kBwdStates});
-  parts.push_back({&bp.off_dbv, tiles * C * V * f, kBwdWy, kBwdStates});
+  if (!bp.ws_sm90) {
+    parts.push_back({&bp.off_vnew, tiles * C * V * f, kBwdWy, kBwdStates});
+    parts.push_back({&bp.off_dbv, tiles * C * V * f, kBwdWy, kBwdStates});
+  }
   parts.push_back({&bp.off_dP, tiles * C * C * f, kBwdWy, kBwdGrad});
   parts.push_back({&bp.off_dL, tiles * C * C * f, kBwdWy, kBwdGrad});
-  parts.push_back({&bp.off_dq, rows * K * f, kBwdStates, kBwdTokens});
-  parts.push_back({&bp.off_dk, rows * K * f, kBwdStates, kBwdTokens});
-  parts.push_back({&bp.off_dkg, rows * K * f, kBwdStates, kBwdGrad});
-  parts.push_back({&bp.off_dgam, tiles * K * f, kBwdStates, kBwdGrad});
+  parts.push_back({&bp.off_dq, rows * K * f, states, kBwdTokens});
+  parts.push_back({&bp.off_dk, rows * K * f, states, kBwdTokens});
+  parts.push_back({&bp.off_dkg, rows * K * f, states, kBwdGrad});
+  parts.push_back({&bp.off_dgam, tiles * K * f, states, kBwdGrad});
   parts.push_back({&bp.off_dbeta, rows * (1 + bp.nks) * f, kBwdWy, kBwdTokens});
   parts.push_back({&bp.off_dA, tiles * bp.nks * f, kBwdGrad, kBwdParams});
   parts.push_back({&bp.off_ddt, tiles * K * f, kBwdGrad, kBwdParams});

@@ -33,11 +33,15 @@ struct BackwardLaunch {
   int scan_ring = 2;     // the scan's stage slots: 1 (no prefetch) to kBwdScanMaxRing
   int nks = 1;           // 16-key slices of the gradient kernel
   bool grad_cache = false;  // the gradient kernel's dP/dL cache (bwd_grad_cache_fits)
+  // The WY pass and the state products as one kernel on warpgroup MMAs (wy_states_sm90.cuh): Hopper, bf16 inputs and
+  // cotangent, chunk 64, K <= 128, V <= 128 with V % 4 == 0, fp32 [K][V] chunk-start states. Its launch is both
+  // steps (kBwdWy), and v_new and dbv never reach the workspace.
+  bool ws_sm90 = false;
   // The scan's segments where the forward cuts a sequence (fwd.seg_target > 1; its segment table is read): segment
   // slots (fwd.segments) and the row length of a slot, vt * scan_bv value columns then KP transition columns.
   int64_t segments = 0;
   int seg_ld = 0;
-  BackwardSmem smem;
+  BackwardSmem smem;  // smem.wy: the fused kernel's where ws_sm90
   // Workspace parts (byte offsets, 256-byte aligned), each with its life in BwdSteps [first write, last read]:
   //   chunk offsets (fwd)                                  forward .. params
   //   w, u (fwd) [slot][HV][C][KP|VP] operand dtype        forward .. WY
@@ -50,7 +54,7 @@ struct BackwardLaunch {
   //                                   layout of BackwardParams::layout)
   //   dh [slot][HV][K][V] f32         gradient of every chunk's end state              scan .. state products
   //   dvnew [slot][HV][C][V] f32      the scan's dv_new                                scan .. WY
-  //   vnew, dbv [slot][HV][C][V] f32                                                   WY .. state products
+  //   vnew, dbv [slot][HV][C][V] f32  (not with ws_sm90)                              WY .. state products
   //   dP, dL [slot][HV][C][C] f32                                                      WY .. grad
   //   dq, dk [row][HV][K] f32         per-v-head q/k gradients, before the GVA sum     state products .. tokens
   //                                   and the L2 norm's backward (first their state

@@ -20,12 +20,6 @@
 namespace kdakit::cuda {
 namespace wy {
 
-// Token rows that may be copied in 16-byte pieces of epc elements: aligned base and strides, whole pieces per row.
-__device__ __forceinline__ bool rows_vec(const TokenRows& t, int epc, int cols) {
-  return cols % epc == 0 && reinterpret_cast<uintptr_t>(t.p) % 16 == 0 && t.sb % epc == 0 && t.st % epc == 0 &&
-         t.sh % epc == 0;
-}
-
 // c += A B with B split hi + lo. A in one part: the lo product first (the forward's order for bf16 w and h_c); A split
 // too: Operand<float>::mma.
 template <int SA>
@@ -240,9 +234,9 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_wy_kernel(const Backw
 
   // ---- Phase 1, tile vt: columns [NV vt, +NV). Stage st: v_new [C][LDR], dv_new [C][LDKN], dO [C][LDR] (fp32 or
   // bf16), v [C][LDR] (InT).
-  const bool do_bf16 = a.d_out.dtype == DType::kBFloat16 && wy::rows_vec(a.d_out, 8, V);
-  const bool do_f32 = a.d_out.dtype == DType::kFloat32 && wy::rows_vec(a.d_out, 4, V);
-  const bool v_vec = wy::rows_vec(a.v, 16 / sizeof(InT), V);
+  const bool do_bf16 = a.d_out.dtype == DType::kBFloat16 && rows_vec(a.d_out, 8, V);
+  const bool do_f32 = a.d_out.dtype == DType::kFloat32 && rows_vec(a.d_out, 4, V);
+  const bool v_vec = rows_vec(a.v, 16 / sizeof(InT), V);
   auto stage_vn = [&](int st) { return smem + st * S1; };
   auto stage_dvn = [&](int st) { return smem + st * S1 + C * LDR; };
   auto stage_dO = [&](int st) { return smem + st * S1 + C * (LDR + LDKN); };
