@@ -80,7 +80,7 @@ __device__ __forceinline__ void mma_group(FragC (&d)[8], FragA (&a)[NKS][2], con
 
 // Shared memory, byte offsets (tiles at 1024-byte boundaries, the swizzle's period).
 struct Layout {
-  static constexpr int LDW = 128 + 8, LDT = 64 + 8, LDR = 64 + 8;  // plain bf16 rows: w, Tm, dO / v
+  static constexpr int LDW = 128 + 8, LDT = 64 + 8, LDR = 64 + 8;  // plain bf16 rows: w, Tm, dO / v / u
   static constexpr std::size_t s_tiles = 0;                              // S hi, lo per 64 keys: [2][2][TILE]
   static constexpr std::size_t h_tiles = s_tiles + 4 * TILE * 2;         // dH likewise
   static constexpr std::size_t dv_tiles = h_tiles + 4 * TILE * 2;        // dv_new hi, lo
