@@ -78,6 +78,25 @@ __device__ __forceinline__ void mma_group(FragC (&d)[8], FragA (&a)[NKS][2], con
   fence_frags(a);
 }
 
+// A fragments of the warp's 16 rows (row block wl of a 64-row product), k-steps k0 + 16 i, from plain bf16 rows of
+// stride ld: A = the rows (T false) or their transpose (T true); SPLIT: hi at `hi`, lo at `lo`, else one part (a[i][1]
+// repeats it).
+template <bool T, bool SPLIT, int N>
+__device__ __forceinline__ void load_frags(FragA (&a)[N][2], const bf16* hi, const bf16* lo, int ld, int wl, int k0) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    FragA x[1];
+    if constexpr (T) Operand<bf16>::load_a_t(x, hi, ld, 16 * wl, k0 + 16 * i);
+    else Operand<bf16>::load_a(x, hi, ld, 16 * wl, k0 + 16 * i);
+    a[i][0] = x[0];
+    if constexpr (SPLIT) {
+      if constexpr (T) Operand<bf16>::load_a_t(x, lo, ld, 16 * wl, k0 + 16 * i);
+      else Operand<bf16>::load_a(x, lo, ld, 16 * wl, k0 + 16 * i);
+    }
+    a[i][1] = x[0];
+  }
+}
+
 // Shared memory, byte offsets (tiles at 1024-byte boundaries, the swizzle's period).
 struct Layout {
   static constexpr int LDW = 128 + 8, LDT = 64 + 8, LDR = 64 + 8;  // plain bf16 rows: w, Tm, dO / v / u
@@ -254,13 +273,7 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
       for (int kt = 0; kt < 2; ++kt) {
         if (kt >= KT) break;
         FragA aw[4][2];
-#pragma unroll
-        for (int kd = 0; kd < 4; ++kd) {
-          FragA x[1];
-          Operand<bf16>::load_a(x, sW, L::LDW, 16 * wl, 64 * kt + 16 * kd);
-          aw[kd][0] = x[0];
-          aw[kd][1] = x[0];
-        }
+        load_frags<false, false>(aw, sW, sW, L::LDW, wl, 64 * kt);
         mma_group<sm90::Major::MN, true>(vn, aw, sS + 2 * kt * TILE);
       }
 #pragma unroll
@@ -285,14 +298,7 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // Tm^T's fragments for two k-steps at a time (registers)
         FragA at[2][2];
-#pragma unroll
-        for (int kd = 0; kd < 2; ++kd) {
-          FragA x[1];
-          Operand<bf16>::load_a_t(x, sTm, L::LDT, 16 * wl, 32 * half + 16 * kd);
-          at[kd][0] = x[0];
-          Operand<bf16>::load_a_t(x, sTm + 64 * L::LDT, L::LDT, 16 * wl, 32 * half + 16 * kd);
-          at[kd][1] = x[0];
-        }
+        load_frags<true, true>(at, sTm, sTm + 64 * L::LDT, L::LDT, wl, 32 * half);
         mma_group<sm90::Major::MN, false>(db, at, sDv, 2 * half);
       }
       with_typed(a.dv, [&](auto* dvp) {
@@ -326,13 +332,7 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
         if (kt < KT) mma_group<sm90::Major::K, false>(acc[kt], fr, sS + 2 * kt * TILE);
       }
     } else {  // dqg += dO S^T
-#pragma unroll
-      for (int kd = 0; kd < 4; ++kd) {
-        FragA x[1];
-        Operand<bf16>::load_a(x, sO, L::LDR, 16 * wl, 16 * kd);
-        fr[kd][0] = x[0];
-        fr[kd][1] = x[0];
-      }
+      load_frags<false, false>(fr, sO, sO, L::LDR, wl, 0);
 #pragma unroll
       for (int kt = 0; kt < 2; ++kt) {
         if (kt < KT) mma_group<sm90::Major::K, true>(acc[kt], fr, sS + 2 * kt * TILE);
