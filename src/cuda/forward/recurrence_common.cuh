@@ -88,8 +88,8 @@ __device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int
 
 // Chunk ci's workspace tiles into stage t as one commit group: w; qg (not NO_OUT) and kg unless ONE_TILE (they take
 // turns in w's buffer later); the tile's BV columns of u (transition tiles have u = 0); Aqk and its lo tile (not
-// NO_OUT: the kernel makes no outputs); gamma. SWIZZLED: w, qg, kg, Aqk in the swizzled layout of the warpgroup MMAs (chunk 64), else row-major
-// with row strides LDK / LDA.
+// NO_OUT: the kernel makes no outputs); gamma. SWIZZLED: w, qg, kg, Aqk in the swizzled layout of the warpgroup MMAs
+// (chunk 64), else row-major with row strides LDK / LDA.
 template <typename Elem, int KP, int BV, int NT, int LDK, int LDB, int LDA, bool SPLIT_A, bool ONE_TILE, bool NO_OUT,
           bool SWIZZLED = false>
 __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const RecurrenceTile& rt, int64_t ci,
