@@ -45,6 +45,7 @@ struct BackwardArgs : KdaArgs {
   // The forward's prepare tiles (Elem: bf16 for bf16 inputs, else float; the layouts of ForwardArgs).
   const void *ws_w = nullptr, *ws_qg = nullptr, *ws_kg = nullptr, *ws_u = nullptr, *ws_a = nullptr,
              *ws_alo = nullptr;
+  const __nv_bfloat16* ws_ulo = nullptr;  // bf16 tiles: u - bf16(u) ([slot][HV][C][VP]), ForwardArgs::ws_ulo
   const float* ws_gam = nullptr;  // [slot][HV][KP]
   const float* ws_tm = nullptr;   // [slot][HV][C][C]
   ChunkStates h;

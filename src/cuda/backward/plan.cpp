@@ -138,6 +138,7 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
   // With the fused kernel, the state products' step is the WY pass's.
   const int states = bp.ws_sm90 ? kBwdWy : kBwdStates;
   parts.push_back({&bp.off_tm, tiles * C * C * f, kBwdForward, kBwdWy});
+  if (esz == 2) parts.push_back({&bp.off_ulo, tiles * C * bp.fwd.VP * 2, kBwdForward, kBwdWy});
   parts.push_back({&bp.off_out, rows * V * dtype_size(p.in.q.dtype), kBwdForward, kBwdForward});
   if (bp.recompute_states) parts.push_back({&bp.off_h, tiles * K * V * f, kBwdForward, states});
   parts.push_back({&bp.off_dh, tiles * K * V * f, kBwdScan, states});

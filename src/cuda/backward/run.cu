@@ -56,6 +56,7 @@ void backward(const BackwardParams& p, const detail::Plan& plan, const BackwardL
   if (pr.N > 0 || bl.slots + bl.fwd.tail_slots > 0) {
     ForwardArgs fa = forward_args(fwd, plan, bl.fwd, ws);
     fa.ws_tm = reinterpret_cast<float*>(ws + bl.off_tm);
+    if (bl.fwd.esz == 2) fa.ws_ulo = ws + bl.off_ulo;
     fa.states_only = true;  // the outputs are scratch
     launch_forward_for(p.in.q.dtype, fa, bl.fwd.cfg, s);
   }
@@ -99,6 +100,7 @@ void backward(const BackwardParams& p, const detail::Plan& plan, const BackwardL
   a.ws_u = ws + bl.fwd.off_u;
   a.ws_a = ws + bl.fwd.off_a;
   a.ws_alo = bl.fwd.esz == 2 ? ws + bl.fwd.off_alo : nullptr;
+  a.ws_ulo = bl.fwd.esz == 2 ? reinterpret_cast<const __nv_bfloat16*>(ws + bl.off_ulo) : nullptr;
   a.ws_gam = reinterpret_cast<const float*>(ws + bl.fwd.off_gam);
   a.ws_tm = reinterpret_cast<const float*>(ws + bl.off_tm);
   const TensorView& states = bl.recompute_states ? fwd.intermediate_states : p.chunk_states;

@@ -1,8 +1,9 @@
 // The backward's WY pass (the value side of src/cpu/chunk_gradients.cpp) on tensor cores, one CTA of eight warps per
 // (chunk, v-head), in two phases:
-//   0. v_new = u - w h_c, the forward's product (w in its prepare tile's precision, h_c split hi + lo: the MMAs of
-//      recurrence_kernel in its order), in passes of kWyPassCols value columns; the keys stream through three cp.async
-//      stages. v_new goes to the workspace, which the gradient kernel reads and phase 1 reads back.
+//   0. v_new = u - w h_c, the forward's product (u = hi + lo for bf16 tiles, ForwardArgs::ws_ulo; w in its prepare
+//      tile's precision, h_c split hi + lo: the MMAs of recurrence_kernel in its order), in passes of kWyPassCols
+//      value columns; the keys stream through three cp.async stages. v_new goes to the workspace, which the gradient
+//      kernel reads and phase 1 reads back.
 //   1. Over tiles of kWyCols value columns (three stages): dbv = Tm^T dv_new (to the workspace), dv = beta dbv (final),
 //      beta's value-side gradient rowsum(dbv v), and, summed over the tiles in mma accumulators, the intra-chunk
 //      matrices' gradients dP = scale tril_incl(dO v_new^T) and dL = -tril_strict(dbv v_new^T).
@@ -220,7 +221,15 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_wy_kernel(const Backw
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int r = r0 + 8 * h, gc = c0 + n00 + 8 * nt + 2 * t;
-            const float2 uf = wy::pair_float(u[nt][h]);
+            float2 uf = wy::pair_float(u[nt][h]);
+            if constexpr (sizeof(Elem) == 2) {  // u's lo part (ForwardArgs::ws_ulo): u = hi + lo, exact in fp32
+              if (a.ws_ulo != nullptr) {
+                const float2 lo = __bfloat1622float2(
+                    *reinterpret_cast<const __nv_bfloat162*>(a.ws_ulo + tile * C * a.VP + r * a.VP + gc));
+                uf.x += lo.x;
+                uf.y += lo.y;
+              }
+            }
             const bool rin = r < nrows;
             wy::store_pair(a.ws_vnew + t_v + r * V, gc, V, rin ? uf.x - acc[nt].x[2 * h] : 0.f,
                            rin ? uf.y - acc[nt].x[2 * h + 1] : 0.f);

@@ -3,8 +3,8 @@
 // One CTA of three warpgroups per (chunk, v-head), bf16 inputs, chunk 64, K <= 128, V <= 128, the chunk-start states
 // an fp32 [K][V] block. Over value halves of 64 columns:
 //   load: S = h_c, dH (the reverse scan's end-state gradient) and dv_new, split into hi and lo bf16 tiles of
-//         [64 keys or rows][64 values] in the 128-byte-swizzled layout (common/sm90/gmma.cuh); u, dO and v as bf16
-//         rows; and the state decay's rowsum(S dH) per key, summed as state_products_sm80.cuh sums it.
+//         [64 keys or rows][64 values] in the 128-byte-swizzled layout (common/sm90/gmma.cuh); u (hi and lo), dO and v
+//         as bf16 rows; and the state decay's rowsum(S dH) per key, summed as state_products_sm80.cuh sums it.
 //   warpgroup 0: v_new = u - w S (w in registers, S as the MN-major B: lo then hi per 16-key step, the forward's
 //         order), stored split for the others, then dkg += v_new dH^T (dH as the K-major B);
 //   warpgroup 1: dbv = Tm^T dv_new, dv = beta dbv (final) and beta's value part rowsum(dbv v), then
@@ -108,8 +108,8 @@ struct Layout {
   static constexpr std::size_t tm_rows = w_rows + 64 * LDW * 2;          // Tm hi, lo [64][LDT]
   static constexpr std::size_t do_rows = tm_rows + 2 * 64 * LDT * 2;     // dO [64][LDR]
   static constexpr std::size_t v_rows = do_rows + 64 * LDR * 2;          // v [64][LDR]
-  static constexpr std::size_t u_rows = v_rows + 64 * LDR * 2;           // u [64][LDR]
-  static constexpr std::size_t dv_stage = u_rows + 64 * LDR * 2;         // dv_new f32 [64][64]
+  static constexpr std::size_t u_rows = v_rows + 64 * LDR * 2;           // u, then its lo part: [2][64][LDR]
+  static constexpr std::size_t dv_stage = u_rows + 2 * 64 * LDR * 2;     // dv_new f32 [64][64]
   static constexpr std::size_t beta = dv_stage + 64 * 64 * 4;            // [64] f32
   static constexpr std::size_t bytes = beta + 64 * 4;
   static_assert(bytes + 1024 == bwd_wy_states_sm90_smem(), "the planner's size, with the alignment's slack");
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
   bf16* sTm = reinterpret_cast<bf16*>(smem + L::tm_rows);  // hi, then lo at 64 LDT
   bf16* sO = reinterpret_cast<bf16*>(smem + L::do_rows);
   bf16* sV = reinterpret_cast<bf16*>(smem + L::v_rows);
-  bf16* sU = reinterpret_cast<bf16*>(smem + L::u_rows);
+  bf16* sU = reinterpret_cast<bf16*>(smem + L::u_rows);  // u, then u's lo part at 64 LDR
   float* sDvF = reinterpret_cast<float*>(smem + L::dv_stage);
   float* sBeta = reinterpret_cast<float*>(smem + L::beta);
 
@@ -185,6 +185,7 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
   for (int i = 0; i < 8; ++i) acc[0][i].zero(), acc[1][i].zero(), acc2[i].zero();
 
   const bf16* gu = static_cast<const bf16*>(a.ws_u) + tile * C * a.VP;
+  const bf16* gulo = a.ws_ulo + tile * C * a.VP;  // the planner sets it for bf16 operands
   for (int c0 = 0; c0 < V; c0 += 64) {
     __syncthreads();  // every warpgroup is done with the previous half's tiles
     // dv_new (fp32, to be split below), u, and dO and v where their rows allow 16-byte pieces: cp.async, issued first
@@ -194,14 +195,14 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
       const bool in = r < nrows && c0 + c < V;
       cp_async16(sDvF + r * 64 + c, gdv + (in ? r * V + c0 + c : 0), in ? 16 : 0);
     }
-    for (int e = tid; e < 64 * 8 * (vec_rows ? 3 : 1); e += kWsSm90Threads) {
+    for (int e = tid; e < 64 * 8 * (vec_rows ? 4 : 2); e += kWsSm90Threads) {
       const int m = e >> 9, r = (e >> 3) & 63, c = 8 * (e & 7), col = c0 + c;
-      if (m == 0) {  // u's tile rows are VP >= c0 + 64 wide
-        cp_async16(sU + r * L::LDR + c, gu + r * a.VP + col);
+      if (m < 2) {  // u and its lo part: tile rows VP >= c0 + 64 wide
+        cp_async16(sU + m * 64 * L::LDR + r * L::LDR + c, (m == 0 ? gu : gulo) + r * a.VP + col);
       } else {
-        const TokenRows& tr = m == 1 ? a.d_out : a.v;
+        const TokenRows& tr = m == 2 ? a.d_out : a.v;
         const bool in = r < nrows && col < V;
-        cp_async16((m == 1 ? sO : sV) + r * L::LDR + c,
+        cp_async16((m == 2 ? sO : sV) + r * L::LDR + c,
                    static_cast<const bf16*>(tr.p) + (in ? tr.offset(ch.b, ch.row0 + r, hv) + col : 0), in ? 16 : 0);
       }
     }
@@ -281,7 +282,11 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = r0 + 8 * h, c = 8 * nt + 2 * t, gc = c0 + c;
-          const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sU + r * L::LDR + c));
+          float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sU + r * L::LDR + c));
+          const float2 ulo =
+              __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sU + 64 * L::LDR + r * L::LDR + c));
+          uf.x += ulo.x;  // u = hi + lo, exact in fp32
+          uf.y += ulo.y;
           const bool rin = r < nrows;
           vn[nt].x[2 * h] = rin && gc < V ? uf.x - vn[nt].x[2 * h] : 0.f;
           vn[nt].x[2 * h + 1] = rin && gc + 1 < V ? uf.y - vn[nt].x[2 * h + 1] : 0.f;

@@ -36,6 +36,9 @@ struct ForwardArgs : KdaArgs {
   void* ws_u = nullptr;   // [slot][HV][C][VP] Elem
   void* ws_a = nullptr;   // [slot][HV][C][C] Elem (scale folded in, zero above the diagonal)
   void* ws_alo = nullptr; // [slot][HV][C][C] bf16 operands only: Aqk - bf16(Aqk), so Aqk v_new runs on hi + lo
+  // Optional [slot][HV][C][VP] bf16 (bf16 operands, the backward's prepare): u - bf16(u). The backward's
+  // v_new = u - w h_c cancels most of u, so u rounded once to bf16 would carry its rounding into every gradient.
+  void* ws_ulo = nullptr;
   float* ws_gam = nullptr;  // [slot][HV][KP]
   float* ws_tm = nullptr;   // optional [slot][HV][C][C] fp32: Tm = (I + L)^-1, zero above the diagonal (the backward)
   int KP = 64, VP = 64;

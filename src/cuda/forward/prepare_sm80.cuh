@@ -516,8 +516,21 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
       warp_gemm<Elem, 1, 8, false, true>(out, sTb, L::LDC, 16 * ab, bsrc, L::LD64, 0, 0, ab + 1);
       Elem* dst = w_step ? ws_w + (16 * ab) * KP + 64 * it : ws_u + (16 * ab) * a.VP + 64 * it;
       const int ldd = w_step ? KP : a.VP;
+      // u's lo part where the backward asks for it (bf16 operands): the same hi, rounded to nearest.
+      Elem* lo = sizeof(Elem) == 2 && u_step && a.ws_ulo != nullptr
+                     ? static_cast<Elem*>(a.ws_ulo) + ws_tile * C * a.VP + (16 * ab) * a.VP + 64 * it
+                     : nullptr;
       for_each_acc<1, 8>([&](int, int nt, int e, int row, int col) {
-        if ((e & 1) == 0) Op::store2(dst + row * ldd + col, out[0][nt].x[e], out[0][nt].x[e + 1]);
+        if ((e & 1) == 0) {
+          if (lo != nullptr) {
+            uint32_t h, l;
+            split_pack(out[0][nt].x[e], out[0][nt].x[e + 1], h, l);
+            *reinterpret_cast<uint32_t*>(dst + row * ldd + col) = h;
+            *reinterpret_cast<uint32_t*>(lo + row * ldd + col) = l;
+          } else {
+            Op::store2(dst + row * ldd + col, out[0][nt].x[e], out[0][nt].x[e + 1]);
+          }
+        }
       });
     }
   }

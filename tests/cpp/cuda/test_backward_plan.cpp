@@ -106,6 +106,7 @@ std::vector<Part> workspace_parts(const BackwardLaunch& b, const BackwardParams&
                              {b.off_dA, tiles * b.nks * 4, kGrad, kParams, "dA_log"},
                              {b.off_ddt, tiles * K * 4, kGrad, kParams, "ddt_bias"}};
   if (f.esz == 2) parts.push_back({f.off_alo, tiles * C * C * f.esz, kFwd, kScan, "Aqk lo"});
+  if (f.esz == 2) parts.push_back({b.off_ulo, tiles * C * f.VP * 2, kFwd, kWy, "u lo"});
   if (f.seg_ld > 0) {
     // The segment table: the scan reads it where it runs in segments.
     parts.push_back({f.off_seg_offsets, 8 * std::size_t(pr.N + 1), kFwd, b.segments > 0 ? kScan : kFwd,

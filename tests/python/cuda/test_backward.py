@@ -264,17 +264,19 @@ def test_gradient_kernel_cache_gives_the_same_bits(monkeypatch, seed):
             assert same_bits(a[n], b[n]), f"d{n} differs without the cache (chunk {chunk})"
 
 
-@pytest.mark.parametrize("K,V", [(128, 128), (100, 64), (64, 36)])
-def test_hopper_wy_states_kernel_gives_the_same_bits(monkeypatch, seed, K, V):
+@pytest.mark.parametrize("K,V,disable_recompute", [(128, 128, False), (100, 64, False), (64, 36, False),
+                                                   (128, 128, True)])
+def test_hopper_wy_states_kernel_gives_the_same_bits(monkeypatch, seed, K, V, disable_recompute):
     """On Hopper, bf16: the WY pass and the state products in one warpgroup-MMA kernel give the same bits as the
-    mma.sync kernels (KDAKIT_BACKWARD_WGMMA=0); varlen with an empty and a one-token sequence, GVA."""
+    mma.sync kernels (KDAKIT_BACKWARD_WGMMA=0); varlen with an empty and a one-token sequence, GVA; recomputed chunk
+    states, and the forward's saved ones."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs a Hopper GPU")
     x = make(1, None, 2, 4, K, V, cu=[0, 100, 100, 333, 334], gate="softplus")
     do, dht = cotangents(x)
-    a = grads(x, do, dht, dtype=torch.bfloat16)
+    a = grads(x, do, dht, dtype=torch.bfloat16, disable_recompute=disable_recompute)
     monkeypatch.setenv("KDAKIT_BACKWARD_WGMMA", "0")
-    b = grads(x, do, dht, dtype=torch.bfloat16)
+    b = grads(x, do, dht, dtype=torch.bfloat16, disable_recompute=disable_recompute)
     monkeypatch.delenv("KDAKIT_BACKWARD_WGMMA")
     for n in a:
         assert same_bits(a[n], b[n]), f"d{n} differs between the Hopper kernel and the mma.sync kernels"
