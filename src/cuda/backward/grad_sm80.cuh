@@ -74,15 +74,18 @@ __device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const C
 }  // namespace grad
 
 // Two CTAs a multiprocessor where the shared memory allows it (the register file then caps a thread at 128). CACHE:
-// dP and dL split once into shared memory (bwd_grad_smem), else each block product rebuilds its fragments.
-template <typename InT, bool CACHE>
+// dP and dL split once into shared memory (bwd_grad_smem), else each block product rebuilds its fragments. CHUNK is
+// the chunk size (a.chunk): the tiles' places in shared memory and the block loops' bounds are then compile-time, so
+// their addresses fold into the instructions' offsets instead of taking registers.
+template <typename InT, bool CACHE, int CHUNK>
 __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const BackwardArgs a) {
-  constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
+  constexpr int LDK = kBwdLdk, KS = kBwdKSlice, C = CHUNK;
+  static_assert(C == 32 || C == 64, "the chunk sizes of the backward");
   const int64_t slot = blockIdx.x;
   const int hv = blockIdx.y;
   ChunkOf ch;
   if (!chunk_of(a, slot, ch)) return;
-  const int C = a.chunk, K = a.K, nrows = ch.nrows, NSUB = (nrows + 15) / 16;
+  const int K = a.K, nrows = ch.nrows, NSUB = (nrows + 15) / 16;
   const int h = hv / a.group, tid = threadIdx.x;
   const int64_t tile = a.tile(slot, hv);
   const float* dP = a.ws_dP + tile * C * C;
@@ -94,7 +97,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
   {
     float* p = smem + (CACHE ? bwd_grad_dpl_cache(C) / sizeof(float) : 0);
     auto take = [&p](int n) { float* r = p; p += n; return r; };
-    const int tl = C * LDK;
+    constexpr int tl = C * LDK;
     s.q = take(tl); s.k = take(tl); s.g = take(tl); s.el = take(tl); s.er = take(tl); s.es = take(tl);
     s.xin = take(tl);
     float* uni = take(static_cast<int>(bwd_grad_intra(C)));
@@ -104,6 +107,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
     s.kgt = s.bcol;
     s.beta = take(C); s.rq = take(C); s.rk = take(C);
     s.tot = take(4 * KS); s.etot = take(4 * KS); s.gam = take(KS); s.dgam = take(KS);
+    s.ebefore = take(4 * KS); s.eafter = take(4 * KS);
     s.maxexp = reinterpret_cast<int*>(take(4));
     s.red = take(kBwdRowGroups);
   }
@@ -208,10 +212,19 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
       if (pair && p == 0) atomicMax(&s.maxexp[blk], __float_as_int(mx));  // non-negative floats order as their bits
     }
     __syncthreads();
+    // Per key: gamma = exp(the chunk's total), and the products of exp(total) over the blocks before and after each
+    // block (in increasing block order, from 1).
     if (tid < KS) {
       float t = 0.f;
       for (int blk = 0; blk < NSUB; ++blk) t += s.tot[blk * KS + tid];
       s.gam[tid] = expf(t);
+      for (int blk = 0; blk < NSUB; ++blk) {
+        float before = 1.f, after = 1.f;
+        for (int c = 0; c < blk; ++c) before *= s.etot[c * KS + tid];
+        for (int c = blk + 1; c < NSUB; ++c) after *= s.etot[c * KS + tid];
+        s.ebefore[blk * KS + tid] = before;
+        s.eafter[blk * KS + tid] = after;
+      }
     }
 
     if (tid < KS) s.dgam[tid] = d0 + tid < K ? a.ws_dgam[tile * K + d0 + tid] : 0.f;  // rowsum(S dH)
@@ -244,11 +257,8 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
         const int r = e / KS, dl = e % KS, d = d0 + dl, blk = r / 16;
         float db = 0.f;
         if (r < nrows) {
-          float before = 1.f, after = 1.f;  // exp of the totals of the blocks before and after this one
-          for (int c = 0; c < blk; ++c) before *= s.etot[c * KS + dl];
-          for (int c = blk + 1; c < NSUB; ++c) after *= s.etot[c * KS + dl];
           const int x = r * LDK + dl;
-          const float eg = s.el[x] * before, egl = s.er[x] * after;
+          const float eg = s.el[x] * s.ebefore[blk * KS + dl], egl = s.er[x] * s.eafter[blk * KS + dl];
           const float kd = s.k[x], qd = s.q[x], bt = s.beta[r], pd = dP[r * C + r];
           db = kd * s.dkr[x] + dkbg[i] * kd * eg;
           const float dk_kg = egl * dkg[i], dq_g = eg * dqg[i], dk_g = bt * eg * dkbg[i];

@@ -32,6 +32,7 @@ struct GradSlice {
   float* wc;                           // [C][3][kBwdKSlice]: a row's pair sums with each earlier block
   float *beta, *rq, *rk;               // [C]
   float *tot, *etot;                   // [4][kBwdKSlice] sub-chunk totals and their exponentials
+  float *ebefore, *eafter;             // [4][kBwdKSlice] products of exp(total) over the blocks before, after
   float *gam, *dgam;                   // [kBwdKSlice]
   int* maxexp;                         // [4] a diagonal block's largest anchor exponent in the slice (float bits)
   float* red;                          // [kBwdRowGroups] block_sum scratch
