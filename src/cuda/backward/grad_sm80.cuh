@@ -108,10 +108,15 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
     s.beta = take(C); s.rq = take(C); s.rk = take(C);
     s.tot = take(4 * KS); s.etot = take(4 * KS); s.gam = take(KS); s.dgam = take(KS);
     s.ebefore = take(4 * KS); s.eafter = take(4 * KS);
+    s.bias = take(kMaxHeadDim); s.pdiag = take(C);
     s.maxexp = reinterpret_cast<int*>(take(4));
     s.red = take(kBwdRowGroups);
   }
 
+  // The chunk's constants of every slice: dt_bias's keys (the in-kernel gate's raw input) and P's diagonal.
+  const bool in_kernel = a.gate_mode != GateMode::kPreGated, has_bias = in_kernel && a.dt_bias.present();
+  for (int d = tid; d < K; d += kBwdThreads) s.bias[d] = has_bias ? a.dt_bias.load(int64_t(hv) * K + d) : 0.f;
+  for (int r = tid; r < C; r += kBwdThreads) s.pdiag[r] = r < nrows ? dP[r * C + r] : 0.f;
   // Rows: beta and the L2 norms' reciprocals (a warp per row, over all K).
   for (int i = tid; i < C; i += kBwdThreads) {
     s.beta[i] = i < nrows ? math::beta_value(a.beta.load(a.beta.offset(ch.b, ch.row0 + i, hv)), a.beta_sigmoid,
@@ -149,7 +154,6 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
     }
   }
   const intra::DplSource<CACHE> dpl_src{dP, dL, dpl, C, nrows};
-  const bool in_kernel = a.gate_mode != GateMode::kPreGated, has_bias = in_kernel && a.dt_bias.present();
   const grad::Gate gate(a, hv);
   constexpr int QK_EPC = 16 / sizeof(InT);
   const bool q_vec = rows_vec(a.q, QK_EPC, K), k_vec = rows_vec(a.k, QK_EPC, K);
@@ -174,7 +178,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
                               s.g[o] = raw;  // zero outside
                               return;
                             }
-                            const float x = raw + (has_bias && in ? a.dt_bias.load(int64_t(hv) * K + d0 + dl) : 0.f);
+                            const float x = raw + (has_bias && in ? s.bias[d0 + dl] : 0.f);
                             s.xin[o] = x;
                             s.g[o] = in ? gate.value(x) : 0.f;
                           });
@@ -259,7 +263,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
         if (r < nrows) {
           const int x = r * LDK + dl;
           const float eg = s.el[x] * s.ebefore[blk * KS + dl], egl = s.er[x] * s.eafter[blk * KS + dl];
-          const float kd = s.k[x], qd = s.q[x], bt = s.beta[r], pd = dP[r * C + r];
+          const float kd = s.k[x], qd = s.q[x], bt = s.beta[r], pd = s.pdiag[r];
           db = kd * s.dkr[x] + dkbg[i] * kd * eg;
           const float dk_kg = egl * dkg[i], dq_g = eg * dqg[i], dk_g = bt * eg * dkbg[i];
           const float dq = s.dqr[x] + dq_g + pd * kd;
@@ -313,19 +317,23 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
     // The gate's chain to the raw input (spec §4.2 B8) and dg; partial sums of dA_log (the CTA) and ddt_bias (per
     // key).
     float dA = 0.f;
-    for (int e = tid; e < nrows * KS; e += kBwdThreads) {
-      const int r = e / KS, dl = e % KS, d = d0 + dl, o = r * LDK + dl;
-      if (d >= K) continue;
-      float dg = s.dgp[o];
-      if (in_kernel) {
-        float d_dx, d_dA;
-        gate.grad(s.xin[o], s.g[o], d_dx, d_dA);
-        dA += dg * d_dA;
-        dg *= d_dx;
-        s.dgp[o] = dg;
+    with_typed(a.dg, [&](auto* out) {  // one dtype branch a slice
+      using G = std::remove_pointer_t<decltype(out)>;
+      const int64_t row0 = a.dg.offset(ch.b, ch.row0, hv), rstride = a.dg.st;
+      for (int e = tid; e < nrows * KS; e += kBwdThreads) {
+        const int r = e / KS, dl = e % KS, d = d0 + dl, o = r * LDK + dl;
+        if (d >= K) continue;
+        float dg = s.dgp[o];
+        if (in_kernel) {
+          float d_dx, d_dA;
+          gate.grad(s.xin[o], s.g[o], d_dx, d_dA);
+          dA += dg * d_dA;
+          dg *= d_dx;
+          s.dgp[o] = dg;
+        }
+        out[row0 + r * rstride + d] = from_float<G>(dg);
       }
-      a.dg.store(a.dg.offset(ch.b, ch.row0 + r, hv) + d, dg);
-    }
+    });
     dA = block_sum(dA, s.red);
     if (tid == 0) a.ws_dA[tile * a.nks + ks] = dA;
     {  // ddt_bias's part per key: a half-warp per key (block_sum's barriers have ordered the chain's writes)

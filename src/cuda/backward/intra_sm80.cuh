@@ -33,6 +33,7 @@ struct GradSlice {
   float *beta, *rq, *rk;               // [C]
   float *tot, *etot;                   // [4][kBwdKSlice] sub-chunk totals and their exponentials
   float *ebefore, *eafter;             // [4][kBwdKSlice] products of exp(total) over the blocks before, after
+  float *bias, *pdiag;                 // [kMaxHeadDim] dt_bias of the v-head (zero without it); [C] P's diagonal
   float *gam, *dgam;                   // [kBwdKSlice]
   int* maxexp;                         // [4] a diagonal block's largest anchor exponent in the slice (float bits)
   float* red;                          // [kBwdRowGroups] block_sum scratch

@@ -81,8 +81,9 @@ void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream
     check_launch("backward_state_products_kernel");
   }
   if (bl.slots > 0) {
-    auto grad = a.chunk == 32 ? (bl.grad_cache ? backward_grad_kernel<InT, true, 32> : backward_grad_kernel<InT, false, 32>)
-                              : (bl.grad_cache ? backward_grad_kernel<InT, true, 64> : backward_grad_kernel<InT, false, 64>);
+    auto grad = a.chunk == 32
+                    ? (bl.grad_cache ? backward_grad_kernel<InT, true, 32> : backward_grad_kernel<InT, false, 32>)
+                    : (bl.grad_cache ? backward_grad_kernel<InT, true, 64> : backward_grad_kernel<InT, false, 64>);
     set_dynamic_smem(reinterpret_cast<const void*>(grad), bl.smem.grad);
     grad<<<dim3(static_cast<unsigned>(bl.slots), static_cast<unsigned>(a.HV)), kBwdThreads, bl.smem.grad, stream>>>(a);
     check_launch("backward_grad_kernel");

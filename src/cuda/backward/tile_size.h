@@ -9,6 +9,8 @@
 
 #include <cstddef>
 
+#include "kdakit/params.h"
+
 namespace kdakit::cuda {
 
 constexpr int kBwdThreads = 256;                     // every backward kernel's CTA
@@ -117,8 +119,9 @@ constexpr std::size_t bwd_wy_states_sm90_smem() {
 // b_col, dgp and the diagonal blocks' column parts [C][16], and the per-(row, earlier block) pair sums [C][3][16]; the
 // gate gradient's two sums take a_row's and b_col's bytes after the products); per row: beta and the two norms; per
 // slice: the sub-chunk totals, their exponentials and the products of those before and after a block [4][16] each,
-// gamma and rowsum(S dH); four block flags; the block sum's scratch. With the dP/dL cache (kernel flag CACHE), first the strictly lower parts of dP and dL split hi + lo
-// in bf16, [C][C + 8] each (four matrices), read by ldmatrix for every slice instead of rebuilt from the workspace.
+// gamma and rowsum(S dH); four block flags; the block sum's scratch; per chunk: dt_bias's keys and P's diagonal.
+// With the dP/dL cache (kernel flag CACHE), first the strictly lower parts of dP and dL split hi + lo in bf16,
+// [C][C + 8] each (four matrices), read by ldmatrix for every slice instead of rebuilt from the workspace.
 constexpr int kBwdGradTiles = 7;
 constexpr int kBwdDplLd = kBwdMaxChunk + 8;  // row stride (elements) of a cached dP/dL matrix: 16-byte rows, no conflicts
 constexpr std::size_t bwd_grad_intra(int C) {
@@ -128,7 +131,7 @@ constexpr std::size_t bwd_grad_dpl_cache(int C) { return std::size_t(4) * C * kB
 constexpr std::size_t bwd_grad_smem(int C, bool cache) {
   return (cache ? bwd_grad_dpl_cache(C) : 0) +
          sizeof(float) * (std::size_t(kBwdGradTiles * C) * kBwdLdk + bwd_grad_intra(C) + 3 * std::size_t(C) +
-                          18 * kBwdKSlice + 4 + kBwdRowGroups);
+                          18 * kBwdKSlice + kMaxHeadDim + std::size_t(C) + 4 + kBwdRowGroups);
 }
 // The cached form where two of its CTAs fit a multiprocessor (`smem_optin`, a block's most, is the multiprocessor's
 // capacity less the 1 KB every block reserves): fewer instructions at the same occupancy. Elsewhere the uncached form
