@@ -63,6 +63,20 @@ def assert_close_cancelling(name, ref, got, magnitudes, tol):
     assert err <= tol, f"{name}: error {err:.3e} of its terms' magnitude > {tol:.1e}"
 
 
+def compiled_and_eager(step, arg_compiled, arg_eager):
+    """step(arg) under torch.compile(fullgraph=True) (aot_eager) and eagerly, each on its own argument (a state pool
+    the call writes), in inference mode: (compiled result, eager result)."""
+    import warnings
+
+    import torch
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return compiled(arg_compiled), step(arg_eager)
+
+
 def same_bits(a, b) -> bool:
     """Bit-for-bit equality (NaN poison included), for tensors of one dtype and shape."""
     if a.dtype != b.dtype or a.shape != b.shape:

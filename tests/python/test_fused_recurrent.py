@@ -1,14 +1,12 @@
 """`kdakit.fused_recurrent_kda` and the serving entry `fused_recurrent_kda_fwd` on CPU tensors: FLA's grid
 (spec §6.2) in float32 at small sizes against the float64 oracle, plus pools, verify and the errors."""
-import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kdakit
 import naive
-from conftest import assert_close, same_bits
+from conftest import assert_close, compiled_and_eager, same_bits
 from test_chunk_kda import inputs
 
 TOL = 1e-5
@@ -260,11 +258,6 @@ def test_torch_compile_decode_fullgraph(seed):
                                               lower_bound=-5.0, pad_slot_id=0)
         return o
 
-    torch._dynamo.reset()
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    with torch.inference_mode(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oc = compiled(pool)
-        oe = step(pool2)
+    oc, oe = compiled_and_eager(step, pool, pool2)
     assert torch.equal(oc, oe) and torch.count_nonzero(oc[:, 1]) == 0
     assert same_bits(pool, pool2)

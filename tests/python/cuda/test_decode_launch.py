@@ -1,10 +1,11 @@
 """The CUDA decode's launch (src/cuda/decode/launch.cuh, run.cu): CUDA graph capture and replay, one kernel launch per
 call, errors on CUDA tensors, torch.compile."""
-import warnings
+
 import pytest
 import torch
 
 import kdakit
+from conftest import compiled_and_eager
 from decode_cases import (make, oracle, final, kv, tol, close, same_bits, make_pool, call, h0_from_pool, DEV)
 
 pytestmark = pytest.mark.skipif(not kdakit.cuda_available(),
@@ -27,22 +28,19 @@ def test_cuda_graph_capture_and_replay(seed):
     for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"):
         x[name].copy_(fresh[name])
     pool.copy_(make_pool(36, 8, 128, 128, torch.bfloat16, True, idx))
-    before = pool.clone()
     out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    h0 = h0_from_pool(before, idx.tolist(), True)
-    ro, rs = oracle(x, h0)
-    close("o", out, ro, tol(x, torch.bfloat16))
-    close("ht", kv(pool[idx.long()], True), final(rs, h0), tol(x, torch.bfloat16))
-    # A second replay continues from the updated pool.
-    mid = pool.clone()
-    graph.replay()
-    torch.cuda.synchronize()
-    h1 = h0_from_pool(mid, idx.tolist(), True)
-    ro2, rs2 = oracle(x, h1)
-    close("o (second replay)", out, ro2, tol(x, torch.bfloat16))
-    close("ht (second replay)", kv(pool[idx.long()], True), final(rs2, h1), tol(x, torch.bfloat16))
+
+    def replay_and_check(which):
+        before = pool.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        h0 = h0_from_pool(before, idx.tolist(), True)
+        ro, rs = oracle(x, h0)
+        close(f"o ({which} replay)", out, ro, tol(x, torch.bfloat16))
+        close(f"ht ({which} replay)", kv(pool[idx.long()], True), final(rs, h0), tol(x, torch.bfloat16))
+
+    replay_and_check("first")
+    replay_and_check("second")  # continues from the updated pool
 
 
 def _cuda_kernels(fn):
@@ -101,10 +99,5 @@ def test_torch_compile_fullgraph_on_cuda(seed):
                                               **x["opts"])
         return o
 
-    torch._dynamo.reset()
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    with torch.inference_mode(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oc = compiled(pool)
-        oe = step(pool2)
+    oc, oe = compiled_and_eager(step, pool, pool2)
     assert same_bits(oc, oe) and same_bits(pool, pool2)
