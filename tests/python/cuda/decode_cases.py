@@ -132,15 +132,6 @@ def close(name, got, ref, t):
     return err
 
 
-def bits(t):
-    t = t.detach().contiguous()
-    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype])
-
-
-def same_bits(a, b):
-    return torch.equal(bits(a), bits(b))
-
-
 def make_pool(P, HV, K, V, dtype, v_first, used):
     """A pool of P slots poisoned with NaN, N(0,1) states in the `used` slots."""
     shape = (P, HV, V, K) if v_first else (P, HV, K, V)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import kdakit
-from conftest import rel_rms
-from decode_cases import (make, oracle, final, kv, tol, close, same_bits, make_pool, call, zero_padding, h0_from_pool,
+from conftest import rel_rms, same_bits
+from decode_cases import (make, oracle, final, kv, tol, close, make_pool, call, zero_padding, h0_from_pool,
                           DEV, fla_decode, needs_fla)
 
 pytestmark = pytest.mark.skipif(not kdakit.cuda_available(),

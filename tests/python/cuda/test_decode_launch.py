@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import kdakit
-from conftest import compiled_and_eager
-from decode_cases import (make, oracle, final, kv, tol, close, same_bits, make_pool, call, h0_from_pool, DEV)
+from conftest import compiled_and_eager, same_bits
+from decode_cases import (make, oracle, final, kv, tol, close, make_pool, call, h0_from_pool, DEV)
 
 pytestmark = pytest.mark.skipif(not kdakit.cuda_available(),
                                 reason="no CUDA device, or kdakit was built without CUDA kernels")

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import kdakit
-from decode_cases import (make, oracle, kv, tol, close, same_bits, make_pool, call, call_on_copy, host_then_general,
+from conftest import same_bits
+from decode_cases import (make, oracle, kv, tol, close, make_pool, call, call_on_copy, host_then_general,
                           zero_padding, h0_from_pool, DEV)
 
 pytestmark = pytest.mark.skipif(not kdakit.cuda_available(),
