@@ -34,6 +34,7 @@ Tuning Tuning::from_environment() {
   t.forward_wgmma = env_int("KDAKIT_FORWARD_WGMMA", 1) != 0;
   t.backward_grad_cache = env_int("KDAKIT_BACKWARD_GRAD_CACHE", 1) != 0;
   t.backward_wgmma = env_int("KDAKIT_BACKWARD_WGMMA", 1) != 0;
+  t.backward_scan_bv = env_choice("KDAKIT_BACKWARD_SCAN_BV", {16, 32, 64});
   t.forward_segments = env_int("KDAKIT_FORWARD_SEGMENTS", -1);
   t.forward_segment_tokens = env_int("KDAKIT_FORWARD_SEGMENT_TOKENS", 8192);
   const char* limit = std::getenv("KDAKIT_SMEM_LIMIT");

@@ -50,13 +50,13 @@ template <typename T, typename Put>
 __device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const ChunkOf& ch, int head, int C, int K,
                                            int d0, Put&& put) {
   constexpr int KS = kBwdKSlice, EPC = 16 / sizeof(T), PIECES = KS / EPC;
-  const T* p = static_cast<const T*>(t.p);
+  const T* p = static_cast<const T*>(t.p) + t.offset(ch.b, ch.row0, head) + d0;  // the slice's first row
   if (vec) {  // K is a multiple of EPC: a piece is within K or past it
     for (int e = threadIdx.x; e < C * PIECES; e += kBwdThreads) {
       const int r = e / PIECES, c = (e % PIECES) * EPC;
       const bool in = r < ch.nrows && d0 + c < K;
       uint4 u{};
-      if (in) u = __ldg(reinterpret_cast<const uint4*>(p + t.offset(ch.b, ch.row0 + r, head) + d0 + c));
+      if (in) u = __ldg(reinterpret_cast<const uint4*>(p + r * t.st + c));
       T v[EPC];
       memcpy(v, &u, sizeof(u));
 #pragma unroll
@@ -66,7 +66,7 @@ __device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const C
     for (int e = threadIdx.x; e < C * KS; e += kBwdThreads) {
       const int r = e / KS, dl = e % KS;
       const bool in = r < ch.nrows && d0 + dl < K;
-      put(r, dl, in ? to_float(p[t.offset(ch.b, ch.row0 + r, head) + d0 + dl]) : 0.f, in);
+      put(r, dl, in ? to_float(p[r * t.st + dl]) : 0.f, in);
     }
   }
 }
@@ -157,14 +157,16 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
   const grad::Gate gate(a, hv);
   constexpr int QK_EPC = 16 / sizeof(InT);
   const bool q_vec = rows_vec(a.q, QK_EPC, K), k_vec = rows_vec(a.k, QK_EPC, K);
+  __syncthreads();  // the rows' facts written
   // The 16-key slices in turn, each ending in its own partial sums (dbeta's key part, dA_log); the rows' facts above
-  // are the chunk's, taken once.
+  // are the chunk's, taken once. A slice's first writes (the slice tiles, maxexp, dgam) touch nothing that the
+  // previous slice reads after its last barrier (block_sum's), which is the ddt part's read of dgp.
   for (int ks = 0; ks < a.nks; ++ks) {
     const int d0 = ks * KS;
-    __syncthreads();  // the previous slice's readers are done (and the rows' facts written)
     // The slice: q and k normalised; the gates, each evaluated once, with their raw inputs x = g + dt_bias for the
-    // chain.
+    // chain; rowsum(S dH) of its keys.
     if (tid < 4) s.maxexp[tid] = 0;
+    if (tid < KS) s.dgam[tid] = d0 + tid < K ? a.ws_dgam[tile * K + d0 + tid] : 0.f;
     grad::slice_rows<InT>(a.q, q_vec, ch, h, C, K, d0,
                           [&](int r, int dl, float v, bool) { s.q[r * LDK + dl] = v * s.rq[r]; });
     grad::slice_rows<InT>(a.k, k_vec, ch, h, C, K, d0,
@@ -230,10 +232,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
         s.eafter[blk * KS + tid] = after;
       }
     }
-
-    if (tid < KS) s.dgam[tid] = d0 + tid < K ? a.ws_dgam[tile * K + d0 + tid] : 0.f;  // rowsum(S dH)
-    __syncthreads();
-
+    // (No barrier: the products read etot, not what this step writes; the assembly, after their barriers, does.)
     intra_products(s, dpl_src, C, nrows, NSUB);
 
     // Assembly per (row, key); beta's key-side part summed over the slice's keys (16 lanes a row). The products with

@@ -79,10 +79,11 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
 
   // The scan's tile: the widest value tile whose stage ring prefetches (the deeper ring first), else the widest with
   // one stage slot; the narrowest one-slot tile where nothing fits (the check below reports it). Wide tiles read each
-  // workspace tile for more columns.
+  // workspace tile for more columns. A developer override of the width is tried first.
   const int esz = static_cast<int>(bp.fwd.esz);
-  auto pick_scan = [&](int ring_lo, int ring_hi) {
+  auto pick_scan = [&](int ring_lo, int ring_hi, int only) {
     for (const int bv : {64, 32, 16}) {
+      if (only > 0 && bv != only) continue;
       for (int ring = ring_hi; ring >= ring_lo; --ring) {
         if (bv <= bwd_scan_max_bv(KP) && bwd_scan_smem(esz, KP, bv, ring) <= limit) {
           bp.scan_bv = bv;
@@ -93,7 +94,9 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
     }
     return false;
   };
-  if (!pick_scan(2, kBwdScanMaxRing) && !pick_scan(1, 1)) {
+  const int only = tuning.backward_scan_bv;
+  if (!(only > 0 && (pick_scan(2, kBwdScanMaxRing, only) || pick_scan(1, 1, only))) &&
+      !pick_scan(2, kBwdScanMaxRing, 0) && !pick_scan(1, 1, 0)) {
     bp.scan_bv = 16;
     bp.scan_ring = 1;
   }

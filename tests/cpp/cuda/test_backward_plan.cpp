@@ -250,6 +250,13 @@ TEST(BackwardPlan, SharedMemoryFitsAmpereAdaAndHopper) {
       Tuning no_cache;
       no_cache.backward_grad_cache = false;
       EXPECT_FALSE(c.launch(kH200, no_cache).grad_cache);
+      for (const int bv : {16, 32}) {  // the scan's width override, where it fits
+        Tuning narrow;
+        narrow.backward_scan_bv = bv;
+        const BackwardLaunch n = c.launch(kH200, narrow);
+        EXPECT_EQ(n.scan_bv, bv);
+        EXPECT_EQ(n.vt, (256 + bv - 1) / bv);
+      }
     }
   }
   // The scan's tile narrows (or stops prefetching) to fit smaller GPUs: wherever the forward fits, the backward does.

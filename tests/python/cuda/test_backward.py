@@ -169,8 +169,9 @@ def test_activations_off(seed, l2, beta_logits):
     check32(make(1, 200, 2, 2, 32, 48, l2=l2, beta_logits=beta_logits))
 
 
-def test_padded_token_tail_gets_zero_gradients(seed):
-    x = make(1, None, 1, 2, 32, 32, cu=[0, 40, 40, 107], tail=9)
+@pytest.mark.parametrize("HV", [1, 2])
+def test_padded_token_tail_gets_zero_gradients(seed, HV):
+    x = make(1, None, 1, HV, 32, 32, cu=[0, 40, 40, 107], tail=9)
     got = check32(x)
     for n in ("q", "k", "v", "g", "beta"):
         assert (got[n][:, 107:] == 0).all(), f"d{n} of the padded tail"
@@ -262,6 +263,21 @@ def test_gradient_kernel_cache_gives_the_same_bits(monkeypatch, seed):
         monkeypatch.delenv("KDAKIT_BACKWARD_GRAD_CACHE")
         for n in a:
             assert same_bits(a[n], b[n]), f"d{n} differs without the cache (chunk {chunk})"
+
+
+@pytest.mark.parametrize("bv", ["16", "32"])
+def test_scan_value_tile_gives_the_same_bits(monkeypatch, seed, bv):
+    """The reverse scan's value tile (KDAKIT_BACKWARD_SCAN_BV) changes no bit: each value column's scan is the same
+    arithmetic whatever the tile. Varlen with an empty and a one-token sequence, GVA, V not a multiple of the tile."""
+    x = make(1, None, 2, 4, 64, 72, cu=[0, 100, 100, 333, 334], gate="softplus")
+    do, dht = cotangents(x)
+    for dtype in (torch.bfloat16, torch.float32):
+        a = grads(x, do, dht, dtype=dtype)
+        monkeypatch.setenv("KDAKIT_BACKWARD_SCAN_BV", bv)
+        b = grads(x, do, dht, dtype=dtype)
+        monkeypatch.delenv("KDAKIT_BACKWARD_SCAN_BV")
+        for n in a:
+            assert same_bits(a[n], b[n]), f"d{n} differs with the scan's {bv}-column tile ({dtype})"
 
 
 @pytest.mark.parametrize("K,V,disable_recompute", [(128, 128, False), (100, 64, False), (64, 36, False),
