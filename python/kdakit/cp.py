@@ -7,12 +7,13 @@ share's edge are cut (spec §7.1). A cut piece maps the state it receives affine
 rank folds those of the ranks its first sequence spans into that sequence's initial state.
 
 `chunk_kda(..., cp_context=ctx)` runs it over the context's torch.distributed group (`forward`): each rank computes
-its last local piece's `(S_ext, M)` with kdakit's own forward, one all-gather exchanges them, each rank folds its
-incoming state and runs its local batch from it. Every step is differentiable (the all-gather through
-`torch.distributed.nn`), so autograd gives the backward across ranks, gradients of `(S_ext, M)` included. That
-path's transition costs one more forward over the last local piece, with K value columns. Forward-only ranks holding
-one sequence piece on CUDA take the split forward instead (`_split_forward`: `(S_ext, M)` from the forward's own
-segment scan, the local tokens read once).
+its last local piece's `(S_ext, M)` with kdakit's own forward (no autograd), one all-gather exchanges them, each rank
+folds its incoming state and runs its local batch from it. Ranks holding one sequence piece on CUDA take the split
+forward (`_split_forward`: `(S_ext, M)` from the forward's own segment scan, the local tokens read once); the other
+ranks' transition costs one more forward over the last local piece, with K value columns. The backward exchanges
+state gradients instead (spec §7.4, `_ExchangeStateGradients`): each rank's first piece's initial-state gradient
+from its own loss, one all-gather, and each rank folds the gradient of its last piece's final state and runs one
+backward of its local batch with it.
 `_simulated_forward` plays a whole group on one device, a list standing for the all-gather.
 """
 from __future__ import annotations
@@ -332,51 +333,142 @@ def forward(q, k, v, g, beta, ctx, **opts):
     tracked = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, opts.get("A_log"), opts.get("dt_bias")))
     one_piece = cu_cpu.numel() == 2 and int(cu_cpu[0]) == 0 and int(cu_cpu[1]) == q.shape[1]
-    if SPLIT_FORWARD and not tracked and q.is_cuda and one_piece:
+    split = SPLIT_FORWARD and q.is_cuda and one_piece
+    if split and not tracked:
         return _split_forward(q, k, v, g, beta, ctx, rank, world_size, from_previous, into_next, pre, opts)
 
-    # This rank's contribution: its last local piece from a zero state, and the piece's transition (the same forward
-    # with v = 0 and K value columns from the identity: the state it reaches is M).
-    if into_next:
-        lo = int(cu_cpu[-2].item())
-        piece = [t[:, lo:] for t in (q, k, v, g, beta)]
-        _, S_ext = chunk_kda(*piece, output_final_state=True, **opts)
-        eye = torch.eye(K, dtype=torch.float32, device=q.device).expand(1, HV, K, K).contiguous()
-        zeros_v = torch.zeros(piece[1].shape[:2] + (HV, K), dtype=v.dtype, device=v.device)
-        _, M = chunk_kda(piece[1], piece[1], zeros_v, piece[3], piece[4], initial_state=eye, output_final_state=True,
-                         **transition_opts)
-        mine = torch.cat([S_ext[0], M[0]], dim=-1)  # [HV, K, V + K]
-    else:
-        mine = torch.zeros((HV, K, V + K), dtype=torch.float32, device=q.device)
-    # The exchange's backward is a collective too: every rank takes the differentiable all-gather where a gradient
-    # may be asked for (the same inputs require grad on every rank), also one that sends nothing.
-    if tracked:
-        if not mine.requires_grad:
-            mine = mine.detach().requires_grad_(True)
-        import warnings
-        from torch.distributed.nn.functional import all_gather as all_gather_grad
-
-        with warnings.catch_warnings():  # its deprecation notice names an op without a backward over gloo
-            warnings.simplefilter("ignore", FutureWarning)
-            gathered = list(all_gather_grad(mine, group=ctx.group))
-    else:
-        gathered = [torch.empty_like(mine) for _ in range(world_size)]
-        dist.all_gather(gathered, mine.contiguous(), group=ctx.group)
-    states = [t[..., :V] for t in gathered]
+    # This rank's contribution, [S_ext | M] ([HV, K, V + K]): its last local piece's end state from a zero state and
+    # the piece's transition M. No gradient flows through it (the backward exchanges state gradients instead).
+    with torch.no_grad():
+        if not into_next:
+            mine = torch.zeros((HV, K, V + K), dtype=torch.float32, device=q.device)
+        elif split:  # the split forward's first half alone (its second half would not record the autograd graph)
+            mine = _split_summary(q, k, v, g, beta, opts)
+        else:  # the piece from zero, then the same forward with v = 0 and K value columns from the identity
+            lo = int(cu_cpu[-2].item())
+            piece = [t[:, lo:] for t in (q, k, v, g, beta)]
+            _, S_ext = chunk_kda(*piece, output_final_state=True, **opts)
+            eye = torch.eye(K, dtype=torch.float32, device=q.device).expand(1, HV, K, K).contiguous()
+            zeros_v = torch.zeros(piece[1].shape[:2] + (HV, K), dtype=v.dtype, device=v.device)
+            _, M = chunk_kda(piece[1], piece[1], zeros_v, piece[3], piece[4], initial_state=eye,
+                             output_final_state=True, **transition_opts)
+            mine = torch.cat([S_ext[0], M[0]], dim=-1)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine.contiguous(), group=ctx.group)
     transitions = [t[..., V:] for t in gathered]
-    S_in = fold_incoming_state(states, transitions, rank, pre) if from_previous else None
+    S_in = fold_incoming_state([t[..., :V] for t in gathered], transitions, rank, pre) if from_previous else None
 
     N = cu_cpu.numel() - 1
     h0 = None
     if S_in is not None:
         rest = torch.zeros((N - 1, HV, K, V), dtype=torch.float32, device=q.device)
         h0 = torch.cat([S_in[None].to(torch.float32), rest], dim=0)
-    o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **opts)
-    if tracked:
-        # Every rank's output depends on the exchange, also where nothing of it is read (a rank whose first sequence
-        # starts there), so that every rank runs the exchange's backward collective.
-        o = _TiedToExchange.apply(o, *gathered)
-    return o
+    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=tracked and into_next, cu_seqlens=cu,
+                      cu_seqlens_cpu=cu_cpu, **opts)
+    if not tracked:
+        return o
+    # The last piece's final state takes its gradient from the later ranks, through the backward exchange that every
+    # rank's output carries (so that every rank runs it, also one whose first sequence starts there).
+    exchange = _BackwardExchange(group=ctx.group, rank=rank, world_size=world_size, from_previous=from_previous,
+                                 into_next=into_next, first_is_last=N == 1, first_len=int(cu_cpu[1]) if N else 0,
+                                 inputs=(q, k, v, g, beta), opts=opts, transitions=transitions)
+    return _ExchangeStateGradients.apply(o, ht, exchange)
+
+
+def fold_outgoing_gradient(grads: Sequence[torch.Tensor], continues: Sequence[bool],
+                           transitions: Sequence[Optional[torch.Tensor]], rank: int) -> torch.Tensor:
+    """The gradient of the later ranks' losses with respect to the state that rank `rank`'s last local sequence passes
+    on (spec §7.4): over the ranks j = rank + 1 .. e the sequence spans (each j < e holds one piece of it, which goes
+    on: continues[j]), dS = E_e, then dS <- E_j + M_j^T dS from e - 1 down to rank + 1. grads[j] ([HV, K, V]) is E_j,
+    the gradient of rank j's own loss with respect to its first piece's initial state; transitions[j] ([HV, K, K]) the
+    M_j of rank j's last piece (its first, for j < e)."""
+    if not 0 <= rank < len(grads) - 1:
+        raise InvalidArgumentError(f"rank: expected 0..{len(grads) - 2} (a later rank to fold from), got {rank}")
+    last = rank + 1
+    while last + 1 < len(grads) and continues[last]:
+        last += 1
+    dS = grads[last]
+    for j in range(last - 1, rank, -1):
+        M = transitions[j].to(dS.dtype)
+        dS = grads[j] + torch.matmul(M.transpose(-1, -2), dS)
+    return dS
+
+
+@dataclass
+class _BackwardExchange:
+    """What the backward exchange of one rank's run needs (cp.forward builds it)."""
+    group: Any
+    rank: int
+    world_size: int
+    from_previous: bool   # the first local sequence began on an earlier rank
+    into_next: bool       # the last local sequence goes on onto a later rank
+    first_is_last: bool   # the local batch is one sequence piece
+    first_len: int        # tokens of the first local sequence
+    inputs: tuple         # q, k, v, g, beta as chunk_kda took them
+    opts: dict            # chunk_kda's options of the run
+    transitions: list     # every rank's M (gathered in the forward)
+
+    def first_piece_state_gradient(self, d_out: torch.Tensor) -> torch.Tensor:
+        """E: the gradient of this rank's loss with respect to its first piece's initial state, by the backward of
+        that piece with no final-state gradient (which does not depend on the state's value: the recurrence is
+        linear in it). float32 [HV, K, V]."""
+        from ._torch import dense, unit_last_stride
+        from .chunk import kernel_options
+
+        q, k, v, g, beta = (t.detach()[:, :self.first_len] for t in self.inputs)
+        o = self.opts
+        scale, gate, lb = kernel_options(q, o.get("scale"), bool(o.get("use_gate_in_kernel", False)),
+                                         o.get("lower_bound"), bool(o.get("safe_gate", False)),
+                                         o.get("chunk_size", 64))
+        q, k, v, g = unit_last_stride(q, k, v, g)
+        A_log, dt_bias = (t.detach() if t is not None else None for t in dense(o.get("A_log"), o.get("dt_bias")))
+        HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+        h0 = torch.zeros((1, HV, K, V), dtype=torch.float32, device=q.device)
+        grads = torch.ops.kdakit.chunk_bwd(
+            q, k, v, g, beta, A_log, dt_bias, h0, None, None, d_out[:, :self.first_len].contiguous(), None, None,
+            scale, gate, lb, bool(o.get("use_qk_l2norm_in_kernel", False)),
+            bool(o.get("use_beta_sigmoid_in_kernel", False)), bool(o.get("allow_neg_eigval", False)),
+            bool(o.get("safe_gate", False)), o.get("chunk_size", 64), False)
+        return grads[7][0]
+
+
+class _ExchangeStateGradients(torch.autograd.Function):
+    """o unchanged; its backward is the exchange of spec §7.4 and gives the last piece's final state (ht, or None
+    where the last sequence ends on this rank) its gradient from the later ranks."""
+
+    @staticmethod
+    def forward(ctx, o, ht, exchange):
+        ctx.exchange = exchange
+        ctx.ht_shape = None if ht is None else (ht.shape, ht.dtype)
+        return o.clone()  # not a view: the caller may modify it in place
+
+    @staticmethod
+    def backward(ctx, d_out):
+        import torch.distributed as dist
+
+        x = ctx.exchange
+        HV, K, V = x.inputs[2].shape[2], x.inputs[1].shape[3], x.inputs[2].shape[3]
+        if x.from_previous:
+            E = x.first_piece_state_gradient(d_out).to(torch.float32)
+        else:
+            E = torch.zeros((HV, K, V), dtype=torch.float32, device=d_out.device)
+        flag = E.new_full((1,), 1.0 if (x.first_is_last and x.into_next) else 0.0)
+        mine = torch.cat([E.reshape(-1), flag])
+        gathered = [torch.empty_like(mine) for _ in range(x.world_size)]
+        dist.all_gather(gathered, mine, group=x.group)
+        d_ht = None
+        if ctx.ht_shape is not None:
+            grads = [t[:-1].reshape(HV, K, V) for t in gathered]
+            continues = [bool(t[-1].item()) for t in gathered]
+            shape, dtype = ctx.ht_shape
+            d_ht = torch.zeros(shape, dtype=dtype, device=d_out.device)
+            d_ht[-1] = fold_outgoing_gradient(grads, continues, x.transitions, x.rank).to(dtype)
+        return d_out, d_ht, None
+
+
+def _split_summary(q, k, v, g, beta, opts):
+    """The split forward's first half over one local sequence on CUDA: its [S_ext | M] ([HV, K, V + K], float32)."""
+    return _split_half(q, k, v, g, beta, opts).summary
 
 
 # Forward-only runs of one local sequence on CUDA take the split forward (kdakit::CpPhase: the contribution from the
@@ -389,20 +481,9 @@ def _split_forward(q, k, v, g, beta, ctx, rank, world_size, from_previous, into_
     """cp.forward for a rank whose local batch is one sequence, forward-only, on CUDA: the first half of the forward
     (its segment scan gives [S_ext | M]), the all-gather, the fold, then the second half from the incoming state."""
     import torch.distributed as dist
-    from ._torch import dense, unit_last_stride
-    from .chunk import kernel_options
-    from .ops import SplitForward
 
-    scale, gate, lb = kernel_options(q, opts.get("scale"), bool(opts.get("use_gate_in_kernel", False)),
-                                     opts.get("lower_bound"), bool(opts.get("safe_gate", False)),
-                                     opts.get("chunk_size", 64))
-    q, k, v, g = unit_last_stride(q, k, v, g)
-    A_log, dt_bias = dense(opts.get("A_log"), opts.get("dt_bias"))
     HV, K, V = v.shape[2], k.shape[3], v.shape[3]
-    half = SplitForward(q, k, v, g, beta, A_log, dt_bias, scale, gate, lb,
-                        bool(opts.get("use_qk_l2norm_in_kernel", False)),
-                        bool(opts.get("use_beta_sigmoid_in_kernel", False)), bool(opts.get("allow_neg_eigval", False)),
-                        bool(opts.get("safe_gate", False)), opts.get("chunk_size", 64))
+    half = _split_half(q, k, v, g, beta, opts)
     mine = half.summary if into_next else torch.zeros((HV, K, V + K), dtype=torch.float32, device=q.device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=ctx.group)
@@ -413,18 +494,21 @@ def _split_forward(q, k, v, g, beta, ctx, rank, world_size, from_previous, into_
     return half.finish(h0)
 
 
-class _TiedToExchange(torch.autograd.Function):
-    """o unchanged, with the gathered contributions as inputs whose gradient from o is zero: the autograd edge that
-    puts the exchange into every rank's backward (an arithmetic tie, 0 * x, would carry a non-finite x into o)."""
+def _split_half(q, k, v, g, beta, opts):
+    """kdakit.ops.SplitForward over one local sequence with chunk_kda's options (its first half run)."""
+    from ._torch import dense, unit_last_stride
+    from .chunk import kernel_options
+    from .ops import SplitForward
 
-    @staticmethod
-    def forward(ctx, o, *gathered):
-        ctx.shapes = [(t.shape, t.dtype, t.device) for t in gathered]
-        return o.clone()  # not a view: the caller may modify it in place
-
-    @staticmethod
-    def backward(ctx, grad_o):
-        return (grad_o,) + tuple(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes)
+    scale, gate, lb = kernel_options(q, opts.get("scale"), bool(opts.get("use_gate_in_kernel", False)),
+                                     opts.get("lower_bound"), bool(opts.get("safe_gate", False)),
+                                     opts.get("chunk_size", 64))
+    q, k, v, g = unit_last_stride(q, k, v, g)
+    A_log, dt_bias = dense(opts.get("A_log"), opts.get("dt_bias"))
+    return SplitForward(q, k, v, g, beta, A_log, dt_bias, scale, gate, lb,
+                        bool(opts.get("use_qk_l2norm_in_kernel", False)),
+                        bool(opts.get("use_beta_sigmoid_in_kernel", False)), bool(opts.get("allow_neg_eigval", False)),
+                        bool(opts.get("safe_gate", False)), opts.get("chunk_size", 64))
 
 
 # ---- a whole group played on one device ----

@@ -190,6 +190,32 @@ def inputs(T, H, HV, K, V, *, use_gate=False, l2=False):
     return (q, k, v, g, beta), opts
 
 
+@pytest.mark.parametrize("continues", [(False, False, False, False), (False, True, True, False),
+                                       (False, True, False, False), (False, False, True, False)])
+def test_fold_outgoing_gradient_is_the_chain_rule(seed, continues):
+    """The gradient of the later ranks' losses with respect to rank 0's outgoing state, by autograd through the forward
+    fold S_in(j + 1) = M_j S_in(j) + S_ext_j (rank j's loss read as <E_j, S_in(j)>, which is what E_j is), equals
+    fold_outgoing_gradient over the ranks the sequence spans (continues[j]: rank j's one piece goes on)."""
+    gen = torch.Generator().manual_seed(seed)
+    P, HV, K, V = 4, 2, 5, 3
+    E = [torch.randn(HV, K, V, generator=gen, dtype=torch.float64) for _ in range(P)]
+    M = [torch.randn(HV, K, K, generator=gen, dtype=torch.float64) for _ in range(P)]
+    S_ext = [torch.randn(HV, K, V, generator=gen, dtype=torch.float64) for _ in range(P)]
+    out = torch.zeros(HV, K, V, dtype=torch.float64, requires_grad=True)  # the state rank 0 passes on
+    S, loss, j = out, 0.0, 1
+    while True:
+        loss = loss + (E[j] * S).sum()
+        if j + 1 >= P or not continues[j]:
+            break
+        S = torch.matmul(M[j], S) + S_ext[j]
+        j += 1
+    (want,) = torch.autograd.grad(loss, out)
+    got = cp.fold_outgoing_gradient(E, list(continues), M, 0)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(kdakit.InvalidArgumentError, match="rank: expected 0..2"):
+        cp.fold_outgoing_gradient(E, list(continues), M, 3)
+
+
 @pytest.mark.parametrize("use_gate", [False, True])
 def test_transition_is_exact(seed, use_gate):
     """The piece maps S_in to M S_in + S_ext: the float64 reference from a random start state against the fold."""

@@ -3,9 +3,9 @@
     torchrun --nproc_per_node 4 tools/gpu/cp_torchrun.py [--device cuda|cpu]
 
 One process per GPU (NCCL; `--device cpu`: gloo on the CPU), every case of the test file (fixed-length sequences,
-varlen sequences crossing rank edges, one sequence over every rank, GVA, both gates): each rank's output and
-gradients against one-process CPU chunk_kda, then a forward-only pass (the split forward where a rank holds one
-sequence). Rank 0 prints one line per case; the exit status is 1 if any rank failed a case.
+varlen sequences crossing rank edges, one sequence over every rank, GVA, both gates and a slow decay): each rank's
+output and gradients against one-process CPU chunk_kda, then a forward-only pass (the split forward where a rank
+holds one sequence). Rank 0 prints one line per case; the exit status is 1 if any rank failed a case.
 """
 import argparse
 import os
@@ -29,7 +29,7 @@ def main(argv):
     failed = 0
     try:
         for name, lengths in cases.CASES.items():
-            for use_gate in (False, True):
+            for use_gate in (False, True, "slow"):
                 error = ""
                 try:
                     cases.check_rank(rank, lengths, use_gate, 1234, a.device)
