@@ -112,7 +112,11 @@ struct KDAKIT_API BackwardParams {
   TensorView dbeta;           // [B,T,HV] (w.r.t. the logit when beta_sigmoid)
   TensorView dA_log;          // required iff gate.A_log is given and the gate is in kernel; A_log's shape
   TensorView ddt_bias;        // required iff gate.dt_bias is given and the gate is in kernel
-  TensorView d_initial_state; // required iff initial_state is given
+  TensorView d_initial_state; // required iff initial_state is given (or d_initial_state_only)
+  // Only d_initial_state: the gradient with respect to the start state, which depends on neither the state's value
+  // nor v (the recurrence is linear in the state). dq, dk, dv, dg, dbeta, dA_log, ddt_bias and chunk_states must
+  // be absent, d_initial_state present; initial_state may be absent. (Context parallelism's backward exchange.)
+  bool d_initial_state_only = false;
   void* workspace = nullptr;  // see backward_workspace_size()
   std::size_t workspace_bytes = 0;
 };

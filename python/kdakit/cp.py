@@ -410,8 +410,8 @@ class _BackwardExchange:
 
     def first_piece_state_gradient(self, d_out: torch.Tensor) -> torch.Tensor:
         """E: the gradient of this rank's loss with respect to its first piece's initial state, by the backward of
-        that piece with no final-state gradient (which does not depend on the state's value: the recurrence is
-        linear in it). float32 [HV, K, V]."""
+        that piece alone with no final-state gradient, computing that gradient only (it does not depend on the
+        state's value: the recurrence is linear in it). float32 [HV, K, V]."""
         from ._torch import dense, unit_last_stride
         from .chunk import kernel_options
 
@@ -422,14 +422,11 @@ class _BackwardExchange:
                                          o.get("chunk_size", 64))
         q, k, v, g = unit_last_stride(q, k, v, g)
         A_log, dt_bias = (t.detach() if t is not None else None for t in dense(o.get("A_log"), o.get("dt_bias")))
-        HV, K, V = v.shape[2], k.shape[3], v.shape[3]
-        h0 = torch.zeros((1, HV, K, V), dtype=torch.float32, device=q.device)
-        grads = torch.ops.kdakit.chunk_bwd(
-            q, k, v, g, beta, A_log, dt_bias, h0, None, None, d_out[:, :self.first_len].contiguous(), None, None,
-            scale, gate, lb, bool(o.get("use_qk_l2norm_in_kernel", False)),
-            bool(o.get("use_beta_sigmoid_in_kernel", False)), bool(o.get("allow_neg_eigval", False)),
-            bool(o.get("safe_gate", False)), o.get("chunk_size", 64), False)
-        return grads[7][0]
+        dh0 = torch.ops.kdakit.chunk_bwd_initial_state(
+            q, k, v, g, beta, A_log, dt_bias, None, None, d_out[:, :self.first_len].contiguous(), None, scale, gate,
+            lb, bool(o.get("use_qk_l2norm_in_kernel", False)), bool(o.get("use_beta_sigmoid_in_kernel", False)),
+            bool(o.get("allow_neg_eigval", False)), bool(o.get("safe_gate", False)), o.get("chunk_size", 64), False)
+        return dh0[0]
 
 
 class _ExchangeStateGradients(torch.autograd.Function):

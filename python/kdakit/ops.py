@@ -128,6 +128,20 @@ def _grad_like(x: Optional[Tensor], like: Tensor) -> Tensor:
     return torch.empty_like(x) if x is not None else like.new_empty((0,))
 
 
+def _backward_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, d_out, d_final_state, scale, gate,
+                     lower_bound, qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size, state_v_first):
+    """A BackwardParams with the inputs, options and cotangents (the gradients and state inputs are the caller's)."""
+    p = _C.BackwardParams()
+    fill_inputs(p.inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale, gate, lower_bound,
+                qk_l2norm, beta_sigmoid, allow_neg_eigval)
+    p.layout = layout(state_v_first)
+    p.chunk_size = chunk_size
+    p.safe_gate = safe_gate
+    p.d_out = view(d_out)
+    p.d_final_state = view(d_final_state)
+    return p
+
+
 @torch.library.custom_op("kdakit::chunk_bwd", mutates_args=())
 def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
               dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
@@ -142,15 +156,10 @@ def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: O
     dA = _grad_like(A_log if gate_in_kernel else None, q)
     dbias = _grad_like(dt_bias if gate_in_kernel else None, q)
     dh0 = _grad_like(initial_state, q)
-    p = _C.BackwardParams()
-    fill_inputs(p.inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale, gate, lower_bound,
-                qk_l2norm, beta_sigmoid, allow_neg_eigval)
-    p.layout = layout(state_v_first)
+    p = _backward_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, d_out, d_final_state, scale,
+                         gate, lower_bound, qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size,
+                         state_v_first)
     p.initial_state = view(initial_state)
-    p.chunk_size = chunk_size
-    p.safe_gate = safe_gate
-    p.d_out = view(d_out)
-    p.d_final_state = view(d_final_state)
     p.chunk_states = view(chunk_states)
     p.dq, p.dk, p.dv, p.dg, p.dbeta = view(dq), view(dk), view(dv), view(dg), view(db)
     if A_log is not None and gate_in_kernel:
@@ -173,6 +182,35 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cp
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta),
             _grad_like(A_log if gate_in_kernel else None, q), _grad_like(dt_bias if gate_in_kernel else None, q),
             _grad_like(initial_state, q))
+
+
+@torch.library.custom_op("kdakit::chunk_bwd_initial_state", mutates_args=())
+def chunk_bwd_initial_state(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
+                            dt_bias: Optional[Tensor], cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor],
+                            d_out: Tensor, d_final_state: Optional[Tensor], scale: float, gate: int,
+                            lower_bound: float, qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool,
+                            safe_gate: bool, chunk_size: int, state_v_first: bool) -> Tensor:
+    """The gradient with respect to every sequence's initial state alone (float32 [N, HV, K, V], or v-first): it
+    depends on neither the state's value nor v (kdakit::BackwardParams::d_initial_state_only)."""
+    N = num_sequences(q, cu_seqlens)
+    HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+    dh0 = q.new_empty(state_shape(N, HV, K, V, state_v_first), dtype=torch.float32)
+    p = _backward_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, d_out, d_final_state, scale,
+                         gate, lower_bound, qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size,
+                         state_v_first)
+    p.d_initial_state = view(dh0)
+    p.d_initial_state_only = True
+    call = _C.BackwardCall(p)
+    ws = workspace(call.workspace_size, q.device)
+    call.run(view(ws), stream_of(q))
+    return dh0
+
+
+@chunk_bwd_initial_state.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, d_out, d_final_state, scale, gate, lower_bound,
+      qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size, state_v_first):
+    N = num_sequences(q, cu_seqlens)
+    return q.new_empty(state_shape(N, v.shape[2], k.shape[3], v.shape[3], state_v_first), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "common/plan.h"
 #include "kdakit/error.h"
@@ -461,6 +462,19 @@ Plan plan_backward(const BackwardParams& p) {
   if (p.d_final_state.present()) {
     require_state(p.d_final_state, "d_final_state", pr, p.layout, pr.N);
     require_float(p.d_final_state, "d_final_state");
+  }
+  if (p.d_initial_state_only) {
+    const std::pair<const TensorView*, const char*> unused[] = {
+        {&p.dq, "dq"}, {&p.dk, "dk"}, {&p.dv, "dv"}, {&p.dg, "dg"}, {&p.dbeta, "dbeta"}, {&p.dA_log, "dA_log"},
+        {&p.ddt_bias, "ddt_bias"}, {&p.chunk_states, "chunk_states"}};
+    for (const auto& [view, name] : unused) {
+      if (view->present()) fail(name, "must be absent with d_initial_state_only (only d_initial_state is computed)");
+    }
+    if (!p.d_initial_state.present()) fail("d_initial_state", "is required with d_initial_state_only");
+    require_state(p.d_initial_state, "d_initial_state", pr, p.layout, pr.N);
+    require_float(p.d_initial_state, "d_initial_state");
+    if (p.workspace_bytes > 0 && p.workspace == nullptr) fail("workspace", "workspace_bytes > 0 but workspace is null");
+    return plan;
   }
   if (p.chunk_states.present()) require_chunk_states(p.chunk_states, "chunk_states", plan, p.layout, p.chunk_size);
   require_tensor(p.dq, "dq", pr, {pr.B, pr.T, pr.H, pr.K}, "[B,T,H,K]");

@@ -68,6 +68,21 @@ std::size_t backward_workspace_size(const BackwardParams&, const detail::Plan& p
 }
 
 void backward(const BackwardParams& p, const detail::Plan& plan) {
+  if (p.d_initial_state_only) {  // the reference backward whole, its token gradients into scratch
+    const Problem& pr = plan.pr;
+    const int64_t B = pr.B, T = pr.T;
+    std::vector<float> dq(B * T * pr.H * pr.K), dk(dq.size()), dv(B * T * pr.HV * pr.V), dg(B * T * pr.HV * pr.K),
+        dbeta(B * T * pr.HV);
+    BackwardParams full = p;
+    full.d_initial_state_only = false;
+    full.dq = make_view(dq.data(), DType::kFloat32, {B, T, pr.H, pr.K});
+    full.dk = make_view(dk.data(), DType::kFloat32, {B, T, pr.H, pr.K});
+    full.dv = make_view(dv.data(), DType::kFloat32, {B, T, pr.HV, pr.V});
+    full.dg = make_view(dg.data(), DType::kFloat32, {B, T, pr.HV, pr.K});
+    full.dbeta = make_view(dbeta.data(), DType::kFloat32, {B, T, pr.HV});
+    backward(full, plan);  // dA_log and ddt_bias stay absent: not written
+    return;
+  }
   const Problem& pr = plan.pr;
   const int64_t K = pr.K, V = pr.V;
   const KdaInputs& in = p.in;

@@ -352,6 +352,7 @@ NB_MODULE(_C, m) {
       .def_rw("dA_log", &BackwardParams::dA_log)
       .def_rw("ddt_bias", &BackwardParams::ddt_bias)
       .def_rw("d_initial_state", &BackwardParams::d_initial_state)
+      .def_rw("d_initial_state_only", &BackwardParams::d_initial_state_only)
       .def("set_workspace", &set_workspace<BackwardParams>, nb::arg("workspace"));
 
   nb::class_<DecodeParams>(m, "DecodeParams")

@@ -360,3 +360,31 @@ def test_torch_compile_fullgraph(seed):
     assert torch.equal(loss, ref_loss)
     for a, b in zip(grads, ref_grads):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+def test_initial_state_gradient_alone(seed, device, v_first):
+    """kdakit::chunk_bwd_initial_state (BackwardParams::d_initial_state_only) gives the whole backward's initial-state
+    gradient bit for bit, from another v and no initial state: the gradient depends on neither (the recurrence is
+    linear in the state; its adjoint reads q, k, g, beta and the cotangents). Varlen with an empty sequence, GVA, the
+    lower-bound gate, L2 norm and beta sigmoid in kernel, a final-state gradient."""
+    from kdakit.chunk import kernel_options
+
+    cu = torch.tensor([0, 37, 37, 100], dtype=torch.int32, device=device)
+    T, N, H, HV, K, V = 100, 3, 2, 4, 16, 8
+    q, k = torch.rand(1, T, H, K, device=device), torch.rand(1, T, H, K, device=device)
+    v, g, beta = torch.rand(1, T, HV, V, device=device), torch.randn(1, T, HV, K, device=device), torch.randn(
+        1, T, HV, device=device)
+    A_log, dt_bias = torch.log(torch.empty(HV, device=device).uniform_(1, 16)), torch.randn(HV * K, device=device)
+    shape = (N, HV, V, K) if v_first else (N, HV, K, V)
+    h0, dht = torch.randn(shape, device=device), torch.randn(shape, device=device)
+    do = torch.randn(1, T, HV, V, device=device)
+    scale, gate, lb = kernel_options(q, None, True, -5.0, True, 64)
+    opts = (scale, gate, lb, True, True, False, True, 64, v_first)
+    full = torch.ops.kdakit.chunk_bwd(q, k, v, g, beta, A_log, dt_bias, h0, cu, None, do, dht, None, *opts)[7]
+    alone = torch.ops.kdakit.chunk_bwd_initial_state(q, k, torch.rand_like(v), g, beta, A_log, dt_bias, cu, None, do,
+                                                     dht, *opts)
+    assert alone.shape == shape and alone.dtype == torch.float32
+    assert torch.isfinite(alone).all()
+    assert torch.equal(alone, full), f"max difference {(alone - full).abs().max().item():.3e}"
+    assert alone[1].abs().max() > 0, "the empty sequence passes its final-state gradient on"

@@ -27,6 +27,7 @@ struct BackwardArgs : KdaArgs {
   bool vk = false;                    // state layout [V,K]
   int chunk = 64, KP = 64, VP = 64;
   int nks = 1;                        // 16-key slices of the gradient kernel
+  bool scan_writes = true;            // the scan writes dh_c and dv_new (false: d_initial_state only)
   int64_t* chunk_offsets = nullptr;   // [N+1], the forward's chunk-offsets kernel
   int64_t num_slots = 0;              // chunk slots (an upper bound of the chunks)
 

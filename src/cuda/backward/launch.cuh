@@ -62,6 +62,7 @@ template <typename InT>
 void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream_t stream) {
   using Elem = typename std::conditional<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16, float>::type;
   if (a.N > 0) launch_backward_scan<Elem>(a, bl, stream);
+  if (bl.d_initial_only) return;  // d_initial_state is the scan's
   constexpr bool kBf16 = std::is_same<InT, __nv_bfloat16>::value;
   if (kBf16 && bl.slots > 0 && bl.ws_sm90) {  // the planner sets ws_sm90 for bf16 inputs only
     auto ws = backward_wy_states_sm90_kernel<__nv_bfloat16>;

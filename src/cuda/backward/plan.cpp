@@ -67,7 +67,8 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
   const Problem& pr = plan.pr;
   BackwardLaunch bp;
   bp.fwd = plan_forward_launch(backward_forward_params(p), plan, device, tuning);  // checks the input dtypes
-  bp.recompute_states = !p.chunk_states.present();
+  bp.d_initial_only = p.d_initial_state_only;
+  bp.recompute_states = !p.chunk_states.present() && !bp.d_initial_only;
   bp.fwd.cfg.prepare_only = !bp.recompute_states;
   bp.slots = bp.fwd.slots;
   bp.rows = pr.B * pr.T;
@@ -111,7 +112,9 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
     bp.smem.wy = bwd_wy_states_sm90_smem();
     bp.smem.state = 0;
   }
-  const std::size_t need = std::max({bp.smem.scan, bp.smem.wy, bp.smem.state, bp.smem.grad, bp.smem.merge});
+  const std::size_t need = bp.d_initial_only
+                               ? std::max(bp.smem.scan, bp.smem.merge)
+                               : std::max({bp.smem.scan, bp.smem.wy, bp.smem.state, bp.smem.grad, bp.smem.merge});
   if (need > limit) {
     throw CudaError("kdakit: the CUDA backward's kernels need " + std::to_string(need) +
                     " bytes of shared memory per block with K = " + std::to_string(pr.K) + " (chunk_size " +
@@ -140,9 +143,22 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
   }
   // With the fused kernel, the state products' step is the WY pass's.
   const int states = bp.ws_sm90 ? kBwdWy : kBwdStates;
-  parts.push_back({&bp.off_tm, tiles * C * C * f, kBwdForward, kBwdWy});
-  if (esz == 2) parts.push_back({&bp.off_ulo, tiles * C * bp.fwd.VP * 2, kBwdForward, kBwdWy});
+  auto place = [&] {
+    if (bp.fwd.seg_target > 1) {  // the scan's segments: its pre-scan, merge and scan, all in the scan step
+      bp.segments = bp.fwd.segments;
+      bp.seg_ld = bp.vt * bp.scan_bv + KP;
+      parts.push_back({&bp.off_seg, static_cast<std::size_t>(bp.segments) * pr.HV * KP * bp.seg_ld * f, kBwdScan,
+                       kBwdScan});
+    }
+    bp.total = place_parts(parts);
+    return bp;
+  };
+  if (!bp.d_initial_only) {  // Tm and u's lo part serve the WY pass
+    parts.push_back({&bp.off_tm, tiles * C * C * f, kBwdForward, kBwdWy});
+    if (esz == 2) parts.push_back({&bp.off_ulo, tiles * C * bp.fwd.VP * 2, kBwdForward, kBwdWy});
+  }
   parts.push_back({&bp.off_out, rows * V * dtype_size(p.in.q.dtype), kBwdForward, kBwdForward});
+  if (bp.d_initial_only) return place();  // the prepare's tiles and the scan's segments
   if (bp.recompute_states) parts.push_back({&bp.off_h, tiles * K * V * f, kBwdForward, states});
   parts.push_back({&bp.off_dh, tiles * K * V * f, kBwdScan, states});
   parts.push_back({&bp.off_dvnew, tiles * C * V * f, kBwdScan, kBwdWy});
@@ -159,14 +175,7 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
   parts.push_back({&bp.off_dbeta, rows * (1 + bp.nks) * f, kBwdWy, kBwdTokens});
   parts.push_back({&bp.off_dA, tiles * bp.nks * f, kBwdGrad, kBwdParams});
   parts.push_back({&bp.off_ddt, tiles * K * f, kBwdGrad, kBwdParams});
-  if (bp.fwd.seg_target > 1) {  // the scan's segments: its pre-scan, merge and scan, all in the scan step
-    bp.segments = bp.fwd.segments;
-    bp.seg_ld = bp.vt * bp.scan_bv + KP;
-    parts.push_back({&bp.off_seg, static_cast<std::size_t>(bp.segments) * pr.HV * KP * bp.seg_ld * f, kBwdScan,
-                     kBwdScan});
-  }
-  bp.total = place_parts(parts);
-  return bp;
+  return place();
 }
 
 }  // namespace kdakit::cuda

@@ -25,7 +25,10 @@ struct BackwardLaunch {
   // and, when recompute_states, the recurrence that writes the chunk-start states. Its workspace parts' offsets
   // (fwd.off_*) are placed in the backward's workspace with the parts below; fwd.total stays the forward's own.
   ForwardLaunch fwd;
-  bool recompute_states = true;  // false: BackwardParams::chunk_states are read instead
+  bool recompute_states = true;  // false: BackwardParams::chunk_states are read instead, or none are needed
+  // BackwardParams::d_initial_state_only: the forward's prepare and the reverse scan alone (which writes no dh_c or
+  // dv_new), and only their workspace parts.
+  bool d_initial_only = false;
   int64_t slots = 0;     // chunk slots (fwd.slots): an upper bound of the chunks
   int64_t rows = 0;      // token rows B * T
   int vt = 1;            // the scan's value tiles (scan_bv columns each)

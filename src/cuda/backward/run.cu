@@ -55,8 +55,10 @@ void backward(const BackwardParams& p, const detail::Plan& plan, const BackwardL
   }
   if (pr.N > 0 || bl.slots + bl.fwd.tail_slots > 0) {
     ForwardArgs fa = forward_args(fwd, plan, bl.fwd, ws);
-    fa.ws_tm = reinterpret_cast<float*>(ws + bl.off_tm);
-    if (bl.fwd.esz == 2) fa.ws_ulo = ws + bl.off_ulo;
+    if (!bl.d_initial_only) {  // the WY pass's Tm and u's lo part
+      fa.ws_tm = reinterpret_cast<float*>(ws + bl.off_tm);
+      if (bl.fwd.esz == 2) fa.ws_ulo = ws + bl.off_ulo;
+    }
     fa.states_only = true;  // the outputs are scratch
     launch_forward_for(p.in.q.dtype, fa, bl.fwd.cfg, s);
   }
@@ -84,6 +86,7 @@ void backward(const BackwardParams& p, const detail::Plan& plan, const BackwardL
   a.KP = bl.fwd.cfg.KP;
   a.VP = bl.fwd.VP;
   a.nks = bl.nks;
+  a.scan_writes = !bl.d_initial_only;
   a.chunk_offsets = reinterpret_cast<int64_t*>(ws + bl.fwd.off_offsets);
   a.num_slots = bl.slots;
   if (bl.segments > 0) {  // the forward's chunk-offsets kernel wrote its segment table (forward_args)

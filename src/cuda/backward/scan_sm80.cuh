@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
           } else {
             Op::store2(sS + d * LDB + cb + col, x0, x1);
           }
-          if (!SCAN && d < K) store_pair(dh + int64_t(d) * V, v0 + col, x0, x1);
+          if (!SCAN && a.scan_writes && d < K) store_pair(dh + int64_t(d) * V, v0 + col, x0, x1);
         }
       });
     }
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
           } else {
             Op::store2(sDv + r * LDB + cb + col, -x0, -x1);
           }
-          if (!SCAN) store_pair(dvn + int64_t(r) * V, v0 + col, x0, x1);
+          if (!SCAN && a.scan_writes) store_pair(dvn + int64_t(r) * V, v0 + col, x0, x1);
         }
       });
     }

@@ -301,6 +301,22 @@ TEST(Validate, BackwardGradientsFollowInputs) {
         backward(p);
       },
       "workspace", "bytes");
+  // d_initial_state_only: d_initial_state alone, the token and parameter gradients absent, initial_state optional.
+  auto only = [&] {
+    BackwardParams p = base();
+    p.d_initial_state_only = true;
+    p.dq = p.dk = p.dv = p.dg = p.dbeta = p.dA_log = p.ddt_bias = TensorView();
+    return p;
+  };
+  EXPECT_NO_THROW(validate(only()));
+  EXPECT_NO_THROW([&] { BackwardParams p = only(); p.initial_state = TensorView(); validate(p); }());
+  expect_invalid([&] { BackwardParams p = only(); p.dv = dv.view(); validate(p); }, "dv", "d_initial_state_only");
+  expect_invalid([&] { BackwardParams p = only(); p.dA_log = dA.view(); validate(p); }, "dA_log",
+                 "d_initial_state_only");
+  expect_invalid([&] { BackwardParams p = only(); p.d_initial_state = TensorView(); validate(p); }, "d_initial_state",
+                 "required with d_initial_state_only");
+  expect_invalid([&] { BackwardParams p = only(); p.d_initial_state.shape[1] = 2; validate(p); }, "d_initial_state",
+                 "");
 }
 
 }  // namespace

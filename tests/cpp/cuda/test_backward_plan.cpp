@@ -3,6 +3,7 @@
 // workspace layout and the dtype checks, for device facts given here (no GPU, no environment overrides).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -132,13 +133,12 @@ std::size_t unshared_total(const std::vector<Part>& parts) {
   return t;
 }
 
-// Every part of the workspace is 256-byte aligned and inside the total, and shares no byte with a part live during
-// any of the same launches; the total is at most the unshared one.
-void expect_workspace_layout(const BackwardLaunch& b, const BackwardParams& p, const Problem& pr) {
-  const std::vector<Part> parts = workspace_parts(b, p, pr);
+// Every part is 256-byte aligned and inside the total, and shares no byte with a part live during any of the same
+// launches.
+void expect_parts_apart(const std::vector<Part>& parts, std::size_t total) {
   for (const Part& x : parts) {
     EXPECT_EQ(x.off % 256, 0u) << x.name;
-    EXPECT_LE(x.off + x.bytes, b.total) << x.name << " ends past the workspace";
+    EXPECT_LE(x.off + x.bytes, total) << x.name << " ends past the workspace";
   }
   for (std::size_t i = 0; i < parts.size(); ++i) {
     for (std::size_t j = i + 1; j < parts.size(); ++j) {
@@ -148,6 +148,12 @@ void expect_workspace_layout(const BackwardLaunch& b, const BackwardParams& p, c
       EXPECT_FALSE(together && shared) << x.name << " and " << y.name << " live at once in the same bytes";
     }
   }
+}
+
+// The workspace's parts apart (expect_parts_apart), the total at most the unshared one.
+void expect_workspace_layout(const BackwardLaunch& b, const BackwardParams& p, const Problem& pr) {
+  const std::vector<Part> parts = workspace_parts(b, p, pr);
+  expect_parts_apart(parts, b.total);
   EXPECT_LE(b.total, unshared_total(parts));
 }
 
@@ -206,6 +212,31 @@ TEST(BackwardPlan, SavedStatesRunThePrepareOnly) {
   expect_workspace_layout(b, c.p, c.plan().pr);
   BackwardCase r(2, 1000, 4, 8, 64, 64);
   EXPECT_LT(b.total, r.launch().total) << "no chunk states in the workspace";
+}
+
+// d_initial_state_only: the forward's prepare (no state pass, no Tm or u lo part) and the scan; the workspace holds
+// the prepare's tiles, the forward's scratch and the scan's segments only, placed apart where they live together.
+TEST(BackwardPlan, InitialStateGradientOnlyRunsThePrepareAndTheScan) {
+  for (const int64_t T : {1000, 65536}) {  // the long one scans in segments
+    BackwardCase c(1, T, T > 1000 ? 8 : 4, T > 1000 ? 8 : 8, 128, 128);
+    const BackwardLaunch full = c.launch();
+    c.p.d_initial_state_only = true;
+    c.p.initial_state = TensorView();
+    for (TensorView* g : {&c.p.dq, &c.p.dk, &c.p.dv, &c.p.dg, &c.p.dbeta, &c.p.dA_log, &c.p.ddt_bias}) *g = TensorView();
+    const BackwardLaunch b = c.launch();
+    EXPECT_TRUE(b.d_initial_only);
+    EXPECT_FALSE(b.recompute_states);
+    EXPECT_TRUE(b.fwd.cfg.prepare_only);
+    EXPECT_EQ(b.segments, full.segments);
+    EXPECT_LT(b.total, full.total / 2) << "no chunk states, gradient parts or Tm";
+    const std::vector<std::string> kept = {"chunk offsets", "w", "qg", "kg", "u", "Aqk", "gamma", "forward outputs",
+                                           "Aqk lo", "segment offsets", "segment states", "order", "scan segments"};
+    std::vector<Part> parts;
+    for (const Part& x : workspace_parts(b, c.p, c.plan().pr)) {
+      if (std::find(kept.begin(), kept.end(), x.name) != kept.end()) parts.push_back(x);
+    }
+    expect_parts_apart(parts, b.total);
+  }
 }
 
 TEST(BackwardPlan, TilesAndSlicesCoverOddHeadSizes) {

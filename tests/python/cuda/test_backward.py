@@ -240,6 +240,27 @@ def test_segmented_reverse_scan(monkeypatch, seed, dtype):
         assert e <= tol, f"d{n}: relative RMS error {e:.2e} > FLA's tolerance {tol:.0e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_initial_state_gradient_alone_in_segments(monkeypatch, seed, dtype):
+    """The initial-state-only backward (kdakit::chunk_bwd_initial_state: the prepare and the reverse scan) gives the
+    whole backward's d_initial_state bit for bit where the scan runs in segments (forced), beside sequences too short
+    to cut, an empty one and a one-token one."""
+    from kdakit.chunk import kernel_options
+
+    monkeypatch.setenv("KDAKIT_FORWARD_SEGMENTS", "3")
+    monkeypatch.setenv("KDAKIT_FORWARD_SEGMENT_TOKENS", "128")
+    x = make(1, None, 1, 2, 64, 64, cu=[0, 700, 705, 1300, 1300, 1301, 1700])
+    do, dht = cotangents(x)
+    t = {n: x[n].to(dtype) for n in ("q", "k", "v", "g", "beta")}
+    scale, gate, lb = kernel_options(t["q"], None, True, -5.0, True, 64)
+    opts = (scale, gate, lb, True, True, False, True, 64, False)
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"], x["A_log"], x["dt_bias"])
+    full = torch.ops.kdakit.chunk_bwd(*args, x["h0"], x["cu"], None, do.to(dtype).cuda(), dht.cuda(), None, *opts)[7]
+    alone = torch.ops.kdakit.chunk_bwd_initial_state(*args, x["cu"], None, do.to(dtype).cuda(), dht.cuda(), *opts)
+    assert torch.isfinite(alone).all()
+    assert same_bits(alone, full), f"max difference {(alone - full).abs().max().item():.3e}"
+
+
 def test_disable_recompute_gives_the_same_bits(seed):
     """Saved chunk states (written by the forward's recurrence) and recomputed ones (the same kernel in the backward)
     are the same bits, so are the gradients."""
