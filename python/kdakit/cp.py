@@ -11,9 +11,10 @@ its last local piece's `(S_ext, M)` with kdakit's own forward (no autograd), one
 folds its incoming state and runs its local batch from it. Ranks holding one sequence piece on CUDA take the split
 forward (`_split_forward`: `(S_ext, M)` from the forward's own segment scan, the local tokens read once); the other
 ranks' transition costs one more forward over the last local piece, with K value columns. The backward exchanges
-state gradients instead (spec §7.4, `_ExchangeStateGradients`): each rank's first piece's initial-state gradient
-from its own loss, one all-gather, and each rank folds the gradient of its last piece's final state and runs one
-backward of its local batch with it.
+state gradients instead (spec §7.4, `_LocalRun`): each rank's first piece's initial-state gradient from its own
+loss, one all-gather, and each rank folds the gradient of its last piece's final state and runs one backward of its
+local batch with it. A training rank holding one piece on CUDA runs its local batch as the split forward's second
+half, so its forward reads the tokens once there too.
 `_simulated_forward` plays a whole group on one device, a list standing for the all-gather.
 """
 from __future__ import annotations
@@ -339,11 +340,13 @@ def forward(q, k, v, g, beta, ctx, **opts):
 
     # This rank's contribution, [S_ext | M] ([HV, K, V + K]): its last local piece's end state from a zero state and
     # the piece's transition M. No gradient flows through it (the backward exchanges state gradients instead).
+    half = None
     with torch.no_grad():
         if not into_next:
             mine = torch.zeros((HV, K, V + K), dtype=torch.float32, device=q.device)
-        elif split:  # the split forward's first half alone (its second half would not record the autograd graph)
-            mine = _split_summary(q, k, v, g, beta, opts)
+        elif split:  # the split forward's first half; a training rank runs its second half below
+            half = _split_half(q, k, v, g, beta, opts)
+            mine = half.summary
         else:  # the piece from zero, then the same forward with v = 0 and K value columns from the identity
             lo = int(cu_cpu[-2].item())
             piece = [t[:, lo:] for t in (q, k, v, g, beta)]
@@ -363,16 +366,27 @@ def forward(q, k, v, g, beta, ctx, **opts):
     if S_in is not None:
         rest = torch.zeros((N - 1, HV, K, V), dtype=torch.float32, device=q.device)
         h0 = torch.cat([S_in[None].to(torch.float32), rest], dim=0)
-    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=tracked and into_next, cu_seqlens=cu,
-                      cu_seqlens_cpu=cu_cpu, **opts)
     if not tracked:
+        o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **opts)
         return o
-    # The last piece's final state takes its gradient from the later ranks, through the backward exchange that every
-    # rank's output carries (so that every rank runs it, also one whose first sequence starts there).
-    exchange = _BackwardExchange(group=ctx.group, rank=rank, world_size=world_size, from_previous=from_previous,
-                                 into_next=into_next, first_is_last=N == 1, first_len=int(cu_cpu[1]) if N else 0,
-                                 inputs=(q, k, v, g, beta), opts=opts, transitions=transitions)
-    return _ExchangeStateGradients.apply(o, ht, exchange)
+    from ._torch import dense, host_cu_seqlens, num_chunks, unit_last_stride
+    from .chunk import kernel_options
+
+    chunk_size = opts.get("chunk_size", 64)
+    scale, gate, lb = kernel_options(q, opts.get("scale"), bool(opts.get("use_gate_in_kernel", False)),
+                                     opts.get("lower_bound"), bool(opts.get("safe_gate", False)), chunk_size)
+    save = bool(opts.get("disable_recompute", False)) and half is None
+    run = _LocalRun(
+        group=ctx.group, rank=rank, world_size=world_size, from_previous=from_previous, into_next=into_next,
+        first_is_last=N == 1, first_len=int(cu_cpu[1]), cu=cu, cu_cpu=cu_cpu, h0=h0, half=half,
+        kernel_opts=(scale, gate, lb, bool(opts.get("use_qk_l2norm_in_kernel", False)),
+                     bool(opts.get("use_beta_sigmoid_in_kernel", False)), bool(opts.get("allow_neg_eigval", False)),
+                     bool(opts.get("safe_gate", False)), chunk_size),
+        chunks=num_chunks(q.shape[1], 1, host_cu_seqlens(cu, cu_cpu), chunk_size) if save else -1,
+        transitions=transitions)
+    q, k, v, g = unit_last_stride(q, k, v, g)
+    A_log, dt_bias = dense(opts.get("A_log"), opts.get("dt_bias"))
+    return _LocalRunFunction.apply(run, q, k, v, g, beta, A_log, dt_bias)
 
 
 def fold_outgoing_gradient(grads: Sequence[torch.Tensor], continues: Sequence[bool],
@@ -395,8 +409,8 @@ def fold_outgoing_gradient(grads: Sequence[torch.Tensor], continues: Sequence[bo
 
 
 @dataclass
-class _BackwardExchange:
-    """What the backward exchange of one rank's run needs (cp.forward builds it)."""
+class _LocalRun:
+    """One training rank's local batch from its incoming state (cp.forward builds it), and its backward exchange."""
     group: Any
     rank: int
     world_size: int
@@ -404,73 +418,81 @@ class _BackwardExchange:
     into_next: bool       # the last local sequence goes on onto a later rank
     first_is_last: bool   # the local batch is one sequence piece
     first_len: int        # tokens of the first local sequence
-    inputs: tuple         # q, k, v, g, beta as chunk_kda took them
-    opts: dict            # chunk_kda's options of the run
+    cu: Any               # the local cu_seqlens and their host copy
+    cu_cpu: Any
+    h0: Optional[torch.Tensor]  # [N, HV, K, V] float32 (the first sequence's incoming state), or None
+    half: Any             # the split forward whose first half ran (one piece on CUDA going on), or None
+    kernel_opts: tuple    # scale, gate mode, lower bound, L2 norm, beta sigmoid, negative eigenvalues, safe, chunk
+    chunks: int           # chunks of the local batch where its chunk states are saved (disable_recompute), else -1
     transitions: list     # every rank's M (gathered in the forward)
 
-    def first_piece_state_gradient(self, d_out: torch.Tensor) -> torch.Tensor:
-        """E: the gradient of this rank's loss with respect to its first piece's initial state, by the backward of
-        that piece alone with no final-state gradient, computing that gradient only (it does not depend on the
-        state's value: the recurrence is linear in it). float32 [HV, K, V]."""
-        from ._torch import dense, unit_last_stride
-        from .chunk import kernel_options
+    def forward(self, q, k, v, g, beta, A_log, dt_bias):
+        """The local output, and the float32 chunk states where they are saved (else None)."""
+        if self.half is not None:
+            return self.half.finish(self.h0), None
+        o, _, h = torch.ops.kdakit.chunk_fwd(q, k, v, g, beta, A_log, dt_bias, self.h0, self.cu, self.cu_cpu,
+                                             *self.kernel_opts, False, False, self.chunks, self.chunks >= 0)
+        return o, (h if self.chunks >= 0 else None)
 
-        q, k, v, g, beta = (t.detach()[:, :self.first_len] for t in self.inputs)
-        o = self.opts
-        scale, gate, lb = kernel_options(q, o.get("scale"), bool(o.get("use_gate_in_kernel", False)),
-                                         o.get("lower_bound"), bool(o.get("safe_gate", False)),
-                                         o.get("chunk_size", 64))
-        q, k, v, g = unit_last_stride(q, k, v, g)
-        A_log, dt_bias = (t.detach() if t is not None else None for t in dense(o.get("A_log"), o.get("dt_bias")))
-        dh0 = torch.ops.kdakit.chunk_bwd_initial_state(
-            q, k, v, g, beta, A_log, dt_bias, None, None, d_out[:, :self.first_len].contiguous(), None, scale, gate,
-            lb, bool(o.get("use_qk_l2norm_in_kernel", False)), bool(o.get("use_beta_sigmoid_in_kernel", False)),
-            bool(o.get("allow_neg_eigval", False)), bool(o.get("safe_gate", False)), o.get("chunk_size", 64), False)
-        return dh0[0]
+    def final_state_gradient(self, d_out, q, k, v, g, beta, A_log, dt_bias) -> Optional[torch.Tensor]:
+        """The exchange (collective): this rank's E, the gradient of its own loss with respect to its first piece's
+        initial state (the piece's initial-state-only backward, which the state's value does not enter), and whether
+        its one piece goes on, gathered from every rank; then the gradient of the last local sequence's final state
+        from the later ranks' ([N, HV, K, V] float32, zero but for the last sequence), or None where it ends here."""
+        import torch.distributed as dist
+
+        HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+        if self.from_previous:
+            n = self.first_len
+            E = torch.ops.kdakit.chunk_bwd_initial_state(
+                q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], A_log, dt_bias, None, None,
+                d_out[:, :n].contiguous(), None, *self.kernel_opts, False)[0]
+        else:
+            E = torch.zeros((HV, K, V), dtype=torch.float32, device=d_out.device)
+        flag = E.new_full((1,), 1.0 if (self.first_is_last and self.into_next) else 0.0)
+        mine = torch.cat([E.reshape(-1), flag])
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        if not self.into_next:
+            return None
+        grads = [t[:-1].reshape(HV, K, V) for t in gathered]
+        continues = [bool(t[-1].item()) for t in gathered]
+        N = self.cu_cpu.numel() - 1
+        d_final = torch.zeros((N, HV, K, V), dtype=torch.float32, device=d_out.device)
+        d_final[-1] = fold_outgoing_gradient(grads, continues, self.transitions, self.rank)
+        return d_final
 
 
-class _ExchangeStateGradients(torch.autograd.Function):
-    """o unchanged; its backward is the exchange of spec §7.4 and gives the last piece's final state (ht, or None
-    where the last sequence ends on this rank) its gradient from the later ranks."""
+class _LocalRunFunction(torch.autograd.Function):
+    """The local output (_LocalRun.forward); its backward runs the exchange of spec §7.4 and then the local batch's
+    backward with the last sequence's final-state gradient from the later ranks."""
 
     @staticmethod
-    def forward(ctx, o, ht, exchange):
-        ctx.exchange = exchange
-        ctx.ht_shape = None if ht is None else (ht.shape, ht.dtype)
-        return o.clone()  # not a view: the caller may modify it in place
+    def forward(ctx, run, q, k, v, g, beta, A_log, dt_bias):
+        o, h = run.forward(q, k, v, g, beta, A_log, dt_bias)
+        ctx.run = run
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h)
+        return o
 
     @staticmethod
     def backward(ctx, d_out):
-        import torch.distributed as dist
+        from ._torch import PRE_GATED
 
-        x = ctx.exchange
-        HV, K, V = x.inputs[2].shape[2], x.inputs[1].shape[3], x.inputs[2].shape[3]
-        if x.from_previous:
-            E = x.first_piece_state_gradient(d_out).to(torch.float32)
-        else:
-            E = torch.zeros((HV, K, V), dtype=torch.float32, device=d_out.device)
-        flag = E.new_full((1,), 1.0 if (x.first_is_last and x.into_next) else 0.0)
-        mine = torch.cat([E.reshape(-1), flag])
-        gathered = [torch.empty_like(mine) for _ in range(x.world_size)]
-        dist.all_gather(gathered, mine, group=x.group)
-        d_ht = None
-        if ctx.ht_shape is not None:
-            grads = [t[:-1].reshape(HV, K, V) for t in gathered]
-            continues = [bool(t[-1].item()) for t in gathered]
-            shape, dtype = ctx.ht_shape
-            d_ht = torch.zeros(shape, dtype=dtype, device=d_out.device)
-            d_ht[-1] = fold_outgoing_gradient(grads, continues, x.transitions, x.rank).to(dtype)
-        return d_out, d_ht, None
+        q, k, v, g, beta, A_log, dt_bias, h = ctx.saved_tensors
+        run = ctx.run
+        d_final = run.final_state_gradient(d_out, q, k, v, g, beta, A_log, dt_bias)
+        dq, dk, dv, dg, db, dA, dbias, _ = torch.ops.kdakit.chunk_bwd(
+            q, k, v, g, beta, A_log, dt_bias, run.h0, run.cu, run.cu_cpu, d_out.contiguous(), d_final, h,
+            *run.kernel_opts, False)
+        in_kernel = run.kernel_opts[1] != PRE_GATED
+        return (None, dq, dk, dv, dg, db, dA if (A_log is not None and in_kernel) else None,
+                dbias if (dt_bias is not None and in_kernel) else None)
 
 
-def _split_summary(q, k, v, g, beta, opts):
-    """The split forward's first half over one local sequence on CUDA: its [S_ext | M] ([HV, K, V + K], float32)."""
-    return _split_half(q, k, v, g, beta, opts).summary
-
-
-# Forward-only runs of one local sequence on CUDA take the split forward (kdakit::CpPhase: the contribution from the
-# forward's own segment scan, the outputs after the exchange, one pass over the inputs); False: the general path
-# (tests compare the two).
+# Runs of one local sequence on CUDA take the split forward (kdakit::CpPhase: the contribution from the forward's own
+# segment scan, the outputs after the exchange, one pass over the inputs): forward-only ones both halves, training
+# ones the first half and, where the piece goes on, the second under the exchange's autograd; False: the general
+# path (tests compare the two).
 SPLIT_FORWARD = True
 
 

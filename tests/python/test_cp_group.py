@@ -54,13 +54,13 @@ def grads_of(tensors, opts, fn):
     return out[0].detach(), [t.grad for t in leaves], {n: p.grad for n, p in params.items()}
 
 
-def run_rank(rank, world_size, init_file, lengths, use_gate, seed, device):
+def run_rank(rank, world_size, init_file, lengths, use_gate, seed, device, disable_recompute=False):
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
                            world_size=world_size)
     try:
-        check_rank(rank, lengths, use_gate, seed, device)
+        check_rank(rank, lengths, use_gate, seed, device, disable_recompute)
         dist.barrier()  # no rank tears the group down while another's last collective is in flight
     finally:
         dist.destroy_process_group()
@@ -72,7 +72,7 @@ def run_rank(rank, world_size, init_file, lengths, use_gate, seed, device):
     os._exit(0)
 
 
-def check_rank(rank, lengths, use_gate, seed, device):
+def check_rank(rank, lengths, use_gate, seed, device, disable_recompute=False):
     """One rank's checks of one case in an initialised default group (also run under torchrun by
     tools/gpu/cp_torchrun.py): the forward and gradients against one-process CPU chunk_kda, then a forward-only pass."""
     torch.set_num_threads(1)  # ranks share the machine's cores
@@ -86,6 +86,7 @@ def check_rank(rank, lengths, use_gate, seed, device):
     s, e = ctx.token_start, ctx.token_end
     local = [t[:, s:e].to(dev) for t in tensors]
     local_opts = {n: (t.to(dev) if isinstance(t, torch.Tensor) else t) for n, t in opts.items()}
+    local_opts["disable_recompute"] = disable_recompute
     w_local = w[:, s:e].to(dev)
 
     def local_loss(x, o):
@@ -120,6 +121,17 @@ def test_group_matches_one_process(device, world_size, case, use_gate):
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(run_rank, args=(world_size, os.path.join(d, "init"), CASES[case], use_gate, 1234, device),
                  nprocs=world_size, join=True)
+
+
+@pytest.mark.parametrize("case", ["crossing", "one-long"])
+def test_group_with_saved_chunk_states(case):
+    """disable_recompute=True under context parallelism (the local forward saves its chunk states for the local
+    backward): the same checks, on the CPU with gloo."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this torch build")
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(run_rank, args=(2, os.path.join(d, "init"), CASES[case], "slow", 1234, "cpu", True), nprocs=2,
+                 join=True)
 
 
 def disagree_rank(rank, world_size, init_file):
