@@ -1,11 +1,14 @@
-"""Context-parallel forward scaling: one sequence of T tokens over 1, 2 or 4 GPUs (NCCL), kdakit and FLA's CP.
+"""Context-parallel scaling: one sequence of T tokens over 1, 2 or 4 GPUs (NCCL), kdakit and FLA's CP.
 
     python3 tools/gpu/cp_scaling.py [--tokens 1048576] [--heads 8] [--worlds 1,2,4] [--reps 5] [--libs kdakit,FLA]
+                                    [--train]
 
 bf16 q/k/v, K = V = 128, gate (lower_bound -5), L2 norm and beta sigmoid in kernel, no initial state (issue rows of
 the scaling goal). World size 1 is chunk_kda on the whole sequence without a context; W > 1 runs W processes, one
 GPU each, each with its share of the sequence (random inputs of its own: timing only; correctness is
-tests/python/test_cp_group.py), calling chunk_kda(cp_context=...) in inference mode. A run's time is the slowest
+tests/python/test_cp_group.py), calling chunk_kda(cp_context=...) in inference mode, or with --train a training
+step: the forward, then the gradients of o.float().sum() with respect to q, k, v, g, beta, A_log and dt_bias
+(torch.autograd.grad, nothing accumulated). A run's time is the slowest
 rank's (CUDA events around the call, ranks aligned by a barrier first); printed: medians of --reps runs after one
 warm-up, and the ratio to world size 1. FLA: fla.ops.kda.chunk_kda with fla.ops.cp.build_cp_context, the same
 inputs; skipped where FLA is missing. --libs picks the libraries (FLA's first run at a new length autotunes for
@@ -25,12 +28,14 @@ OPTS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigm
             lower_bound=-5.0)
 
 
-def inputs(T, H, device, seed):
+def inputs(T, H, device, seed, train=False):
     gen = torch.Generator(device=device).manual_seed(seed)
     bf = torch.bfloat16
     r = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=bf)  # noqa: E731
     x = [r(1, T, H, 128), r(1, T, H, 128), r(1, T, H, 128), r(1, T, H, 128), r(1, T, H)]
     params = dict(A_log=torch.zeros(H, device=device), dt_bias=torch.zeros(H * 128, device=device))
+    for t in x + list(params.values()):
+        t.requires_grad_(train)
     return x, params
 
 
@@ -53,27 +58,44 @@ def timed(fn, reps, group=None):
     return statistics.median(times)
 
 
-def runners(x, params, ctx_kdakit=None, ctx_fla=None, fla=True, ours=True):
+def runners(x, params, ctx_kdakit=None, ctx_fla=None, fla=True, ours=True, train=False):
+    """name -> a call: the forward, or with train the forward and the gradients of every input."""
     import kdakit
+
+    def run(forward):
+        if not train:
+            return forward
+        leaves = list(x) + list(params.values())
+
+        def step():
+            o = forward()[0]
+            return torch.autograd.grad(o.float().sum(), leaves)
+        return step
+
     out = {}
     if ours:
-        out["kdakit"] = lambda: kdakit.chunk_kda(*x, cp_context=ctx_kdakit, **OPTS, **params)
+        out["kdakit"] = run(lambda: kdakit.chunk_kda(*x, cp_context=ctx_kdakit, **OPTS, **params))
     if fla:
         try:
             from fla.ops.kda import chunk_kda as fla_chunk_kda
-            out["FLA"] = lambda: fla_chunk_kda(*x, cp_context=ctx_fla, **OPTS, **params)
+            out["FLA"] = run(lambda: fla_chunk_kda(*x, cp_context=ctx_fla, **OPTS, **params))
         except Exception as e:  # noqa: BLE001
             print(f"FLA not importable: {e}", flush=True)
     return out
 
 
-def rank_main(rank, world, init_file, T, H, reps, fla, ours, result_file):
+def grad_mode(train):
+    """Inference mode for forward-only timing; autograd on (inputs requiring grad) for training steps."""
+    return torch.enable_grad() if train else torch.inference_mode()
+
+
+def rank_main(rank, world, init_file, T, H, reps, fla, ours, train, result_file):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         from kdakit import cp
         share = T // world
-        x, params = inputs(share, H, "cuda", 1000 + rank)
+        x, params = inputs(share, H, "cuda", 1000 + rank, train)
         cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
         ctx = cp.build_context(cu, group=dist.group.WORLD)
         ctx_fla = None
@@ -86,8 +108,8 @@ def rank_main(rank, world, init_file, T, H, reps, fla, ours, result_file):
                     print(f"FLA CP not available: {e}", flush=True)
                 fla = False
         res = {}
-        with torch.inference_mode():
-            for name, fn in runners(x, params, ctx, ctx_fla, fla, ours).items():
+        with grad_mode(train):
+            for name, fn in runners(x, params, ctx, ctx_fla, fla, ours, train).items():
                 try:
                     res[name] = timed(fn, reps, dist.group.WORLD)
                 except Exception as e:  # noqa: BLE001
@@ -110,26 +132,28 @@ def main(argv):
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--libs", default="kdakit,FLA")
+    ap.add_argument("--train", action="store_true", help="time training steps (forward + backward)")
     a = ap.parse_args(argv)
     worlds = [int(w) for w in a.worlds.split(",") if int(w) <= max(1, torch.cuda.device_count())]
     T, H = a.tokens, a.heads
     libs = a.libs.split(",")
     fla, ours = "FLA" in libs, "kdakit" in libs
-    print(f"{torch.cuda.get_device_name()} x {torch.cuda.device_count()}; T {T}, H{H}, bf16, K = V = 128; median of "
-          f"{a.reps}", flush=True)
+    print(f"{torch.cuda.get_device_name()} x {torch.cuda.device_count()}; T {T}, H{H}, bf16, K = V = 128; "
+          f"{'training step' if a.train else 'forward'}; median of {a.reps}", flush=True)
     rows = {}
     for w in worlds:
         if w == 1:
-            x, params = inputs(T, H, "cuda", 1000)
-            with torch.inference_mode():
-                rows[1] = {n: timed(fn, a.reps) for n, fn in runners(x, params, fla=fla, ours=ours).items()}
+            x, params = inputs(T, H, "cuda", 1000, a.train)
+            with grad_mode(a.train):
+                rows[1] = {n: timed(fn, a.reps) for n, fn in runners(x, params, fla=fla, ours=ours,
+                                                                     train=a.train).items()}
             del x
             torch.cuda.empty_cache()
         else:
             with tempfile.TemporaryDirectory() as d:
                 rf = os.path.join(d, "result")
-                mp.spawn(rank_main, args=(w, os.path.join(d, "init"), T, H, a.reps, fla, ours, rf), nprocs=w,
-                         join=True)
+                mp.spawn(rank_main, args=(w, os.path.join(d, "init"), T, H, a.reps, fla, ours, a.train, rf),
+                         nprocs=w, join=True)
                 rows[w] = eval(open(rf).read())  # noqa: S307  (written by rank 0 above)
         print(f"W={w}: {rows[w]}", flush=True)
     names = list(rows[worlds[0]])
