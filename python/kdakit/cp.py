@@ -429,7 +429,9 @@ class _LocalRun:
     def forward(self, q, k, v, g, beta, A_log, dt_bias):
         """The local output, and the float32 chunk states where they are saved (else None)."""
         if self.half is not None:
-            return self.half.finish(self.h0), None
+            o = self.half.finish(self.h0)
+            self.half = None  # its workspace (the prepare's tiles) is not kept until the backward
+            return o, None
         o, _, h = torch.ops.kdakit.chunk_fwd(q, k, v, g, beta, A_log, dt_bias, self.h0, self.cu, self.cu_cpu,
                                              *self.kernel_opts, False, False, self.chunks, self.chunks >= 0)
         return o, (h if self.chunks >= 0 else None)
