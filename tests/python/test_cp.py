@@ -173,8 +173,9 @@ def test_fold_errors():
 
 # ---- the algebra ----
 
-def inputs(T, H, HV, K, V, *, use_gate=False, l2=False):
-    """FLA's input recipe (spec §6.1) in float32, packed (B = 1)."""
+def inputs(T, H, HV, K, V, *, use_gate=False, l2=False, slow=False):
+    """FLA's input recipe (spec §6.1) in float32, packed (B = 1). slow: a pre-gated weak decay (about -0.003 a token),
+    so that a long piece's transition M is far from zero and folds across several ranks carry weight."""
     q, k = torch.rand(1, T, H, K), torch.rand(1, T, H, K)
     if not l2:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
@@ -185,7 +186,7 @@ def inputs(T, H, HV, K, V, *, use_gate=False, l2=False):
         opts = dict(use_gate_in_kernel=True, A_log=torch.log(torch.empty(HV).uniform_(1, 16)),
                     dt_bias=torch.randn(HV * K))
     else:
-        g = F.logsigmoid(torch.randn(1, T, HV, K))
+        g = F.logsigmoid(torch.randn(1, T, HV, K) + (6.0 if slow else 0.0))
     beta = torch.sigmoid(torch.randn(1, T, HV))
     return (q, k, v, g, beta), opts
 
@@ -241,11 +242,11 @@ CASES = {
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("gate", ["pre-gated", "in-kernel"])
+@pytest.mark.parametrize("gate", ["pre-gated", "in-kernel", "slow"])
 def test_simulated_forward_matches_one_device(seed, world_size, case, gate):
     lengths, B, T = CASES[case]
     H, HV, K, V = 2, 4, 16, 8  # GVA: HV = 2H
-    (q, k, v, g, beta), opts = inputs(B * T, H, HV, K, V, use_gate=gate == "in-kernel")
+    (q, k, v, g, beta), opts = inputs(B * T, H, HV, K, V, use_gate=gate == "in-kernel", slow=gate == "slow")
     cu = None if lengths is None else cu_of(lengths)
     if lengths is None:
         q, k, v, g, beta = (t.reshape((B, T) + tuple(t.shape[2:])) for t in (q, k, v, g, beta))
