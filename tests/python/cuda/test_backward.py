@@ -26,8 +26,9 @@ LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
 
 
 def make(B, T, H, HV, K, V=None, *, gate="lower_bound", cu=None, reset_p=0.0, l2=True, h0=True,
-         state_dtype=torch.float32, v_first=False, beta_logits=True, neg=False, tail=0):
-    """FLA's input recipe in float32 on the GPU (spec §6.1); gate in kernel unless gate == 'pre'."""
+         state_dtype=torch.float32, v_first=False, beta_logits=True, neg=False, tail=0, norm=1.0):
+    """FLA's input recipe in float32 on the GPU (spec §6.1); gate in kernel unless gate == 'pre' (then divided by
+    norm: a weak decay for norm >> 1)."""
     V = V or K
     dev = "cuda"
     Tt = T if cu is None else cu[-1] + tail
@@ -37,7 +38,7 @@ def make(B, T, H, HV, K, V=None, *, gate="lower_bound", cu=None, reset_p=0.0, l2
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     x = dict(q=q, k=k, v=torch.rand(B, Tt, HV, V, device=dev))
     if gate == "pre":
-        g = F.logsigmoid(torch.randn(B, Tt, HV, K, device=dev))
+        g = F.logsigmoid(torch.randn(B, Tt, HV, K, device=dev)) / norm
         if reset_p:
             g = torch.where(torch.rand_like(g) < reset_p, torch.full_like(g, -1000.0), g)
         x["g"] = g
@@ -238,6 +239,14 @@ def test_segmented_reverse_scan(monkeypatch, seed, dtype):
     for n, e in errors(grads(x, do, dht, dtype=dtype), ref, x).items():
         tol = FLA_TOL[n.split(" ")[0]]
         assert e <= tol, f"d{n}: relative RMS error {e:.2e} > FLA's tolerance {tol:.0e}"
+
+
+def test_segmented_reverse_scan_slow_decay(monkeypatch, seed):
+    """The segmented reverse scan with a weak pre-gated decay (about -0.003 a token): a segment's transposed
+    transition is far from zero, so the merge dS_end(s - 1) = M_s^T dS_end(s) + E_s carries the later segments."""
+    monkeypatch.setenv("KDAKIT_FORWARD_SEGMENTS", "3")
+    monkeypatch.setenv("KDAKIT_FORWARD_SEGMENT_TOKENS", "128")
+    check32(make(1, None, 1, 2, 64, 64, cu=[0, 700, 705, 1300, 1700], gate="pre", norm=200.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -291,6 +291,22 @@ def test_context_parallel_segments(monkeypatch, dtype, K, V, group):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_context_parallel_segments_slow_decay(monkeypatch, dtype):
+    """A weak pre-gated decay (about -0.003 a token): a segment's transition M is far from zero, so the merge's
+    S_start(s + 1) = M_s S_start(s) + E_s carries the earlier segments (with the usual gates M is ~0 past a few
+    tokens and only E_s would be checked)."""
+    _force_segments(monkeypatch)
+    cu = [0, 1000, 1005, 1705, 2198]
+    x = make(1, 0, 2, 2, 64, 64, dtype=dtype, cu=cu, gate="pre", norm=200.0)
+    o, ht = run(x, cu_seqlens_cpu=torch.tensor(cu))
+    ro, rht = reference(x)
+    for name, got, want in (("output", o, ro), ("final state", ht, rht)):
+        assert torch.isfinite(got).all(), f"{name}: NaN or Inf"
+        err = rel_rms(got, want)
+        assert err <= TOL[dtype], f"{name}: relative RMS error {err:.2e} > {TOL[dtype]:.0e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_context_parallel_fixed_length_and_pool(monkeypatch, dtype):
     _force_segments(monkeypatch, target=3)
     x = make(2, 1100, 2, 4, 128, dtype=dtype, h0=False)
