@@ -66,7 +66,8 @@ struct KDAKIT_API StateIO {
   int64_t pad_slot_id = -1;      // >= -1; -1 (the default) or vLLM's NULL_BLOCK_ID 0
 };
 
-// The two halves of a forward under multi-device context parallelism (spec §7.6), CUDA only, one sequence per call.
+// The two halves of a forward (and of a backward: BackwardParams::cp_phase) under multi-device context parallelism
+// (spec §7.6), CUDA only, one sequence per call.
 // kSummary: the work that does not depend on the start state, and the sequence's contribution to the later ranks,
 // written to ForwardParams::cp_summary, [HV, K, V + K] float32: row d holds S_ext[d, :] (the end state from a zero
 // start) then M[d, :] (the transition: end = M S_start + S_ext, spec §7.2); no outputs. kFinish: the outputs from
@@ -117,6 +118,12 @@ struct KDAKIT_API BackwardParams {
   // nor v (the recurrence is linear in the state). dq, dk, dv, dg, dbeta, dA_log, ddt_bias and chunk_states must
   // be absent, d_initial_state present; initial_state may be absent. (Context parallelism's backward exchange.)
   bool d_initial_state_only = false;
+  // The halves of a backward under multi-device context parallelism (CUDA only, one sequence per call, not with
+  // d_initial_state_only). kSummary: the work that does not depend on d_final_state (the forward's recompute, the
+  // reverse scan's segments), and, where d_initial_state is given, that gradient for a zero d_final_state: what the
+  // earlier ranks fold in. d_final_state and the other gradient outputs must be absent. kFinish: every gradient for
+  // d_final_state, on the workspace that the kSummary call of the same inputs left, untouched in between.
+  CpPhase cp_phase = CpPhase::kNone;
   void* workspace = nullptr;  // see backward_workspace_size()
   std::size_t workspace_bytes = 0;
 };

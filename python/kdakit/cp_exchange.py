@@ -61,21 +61,38 @@ class LocalRun:
                                              *self.kernel_opts, False, False, self.chunks, self.chunks >= 0)
         return o, (h if self.chunks >= 0 else None)
 
-    def final_state_gradient(self, d_out, q, k, v, g, beta, A_log, dt_bias) -> Optional[torch.Tensor]:
-        """The exchange (collective): this rank's E, the gradient of its own loss with respect to its first piece's
-        initial state (the piece's initial-state-only backward, which the state's value does not enter), and whether
-        its one piece goes on, gathered from every rank; then the gradient of the last local sequence's final state
-        from the later ranks' ([N, HV, K, V] float32, zero but for the last sequence), or None where it ends here."""
-        import torch.distributed as dist
+    def backward(self, d_out, q, k, v, g, beta, A_log, dt_bias, h):
+        """The exchange (collective) and the local batch's gradients (kdakit::chunk_bwd's tuple). A local batch of one
+        sequence on CUDA takes the split backward (ops.SplitBackward): its first half is the backward's own work up
+        to the reverse scan, and gives E on the way, so no rank computes anything twice and the ranks reach the
+        all-gather together. Otherwise E comes from the first piece's initial-state-only backward
+        (kdakit::BackwardParams::d_initial_state_only, which the state's value does not enter), then one backward."""
+        d_out = d_out.contiguous()
+        if d_out.is_cuda and self.first_is_last:
+            from .ops import SplitBackward
 
-        HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+            split = SplitBackward(q, k, v, g, beta, A_log, dt_bias, self.h0, d_out, h, self.from_previous,
+                                  *self.kernel_opts)
+            return split.finish(self._exchange(split.d_initial[0] if self.from_previous else None, v, k))
+        E = None
         if self.from_previous:
             n = self.first_len
             E = torch.ops.kdakit.chunk_bwd_initial_state(
                 q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], A_log, dt_bias, None, None,
                 d_out[:, :n].contiguous(), None, *self.kernel_opts, False)[0]
-        else:
-            E = torch.zeros((HV, K, V), dtype=torch.float32, device=d_out.device)
+        return torch.ops.kdakit.chunk_bwd(q, k, v, g, beta, A_log, dt_bias, self.h0, self.cu, self.cu_cpu, d_out,
+                                          self._exchange(E, v, k), h, *self.kernel_opts, False)
+
+    def _exchange(self, E: Optional[torch.Tensor], v, k) -> Optional[torch.Tensor]:
+        """E ([HV, K, V] float32, this rank's gradient of its own loss with respect to its first piece's initial state;
+        None: zero) and whether its one piece goes on, gathered from every rank; then the gradient of the last local
+        sequence's final state from the later ranks ([N, HV, K, V] float32, zero but for the last sequence), or None
+        where it ends here."""
+        import torch.distributed as dist
+
+        HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+        if E is None:
+            E = torch.zeros((HV, K, V), dtype=torch.float32, device=v.device)
         flag = E.new_full((1,), 1.0 if (self.first_is_last and self.into_next) else 0.0)
         mine = torch.cat([E.reshape(-1), flag])
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
@@ -85,14 +102,14 @@ class LocalRun:
         grads = [t[:-1].reshape(HV, K, V) for t in gathered]
         continues = [bool(t[-1].item()) for t in gathered]
         N = self.cu_cpu.numel() - 1
-        d_final = torch.zeros((N, HV, K, V), dtype=torch.float32, device=d_out.device)
+        d_final = torch.zeros((N, HV, K, V), dtype=torch.float32, device=v.device)
         d_final[-1] = fold_outgoing_gradient(grads, continues, self.transitions, self.rank)
         return d_final
 
 
 class LocalRunFunction(torch.autograd.Function):
-    """The local output (LocalRun.forward); its backward runs the exchange of spec §7.4 and then the local batch's
-    backward with the last sequence's final-state gradient from the later ranks."""
+    """The local output (LocalRun.forward); its backward (LocalRun.backward) runs the exchange of spec §7.4 and the
+    local batch's backward with the last sequence's final-state gradient from the later ranks."""
 
     @staticmethod
     def forward(ctx, run, q, k, v, g, beta, A_log, dt_bias):
@@ -107,10 +124,7 @@ class LocalRunFunction(torch.autograd.Function):
 
         q, k, v, g, beta, A_log, dt_bias, h = ctx.saved_tensors
         run = ctx.run
-        d_final = run.final_state_gradient(d_out, q, k, v, g, beta, A_log, dt_bias)
-        dq, dk, dv, dg, db, dA, dbias, _ = torch.ops.kdakit.chunk_bwd(
-            q, k, v, g, beta, A_log, dt_bias, run.h0, run.cu, run.cu_cpu, d_out.contiguous(), d_final, h,
-            *run.kernel_opts, False)
+        dq, dk, dv, dg, db, dA, dbias, _ = run.backward(d_out, q, k, v, g, beta, A_log, dt_bias, h)
         in_kernel = run.kernel_opts[1] != PRE_GATED
         return (None, dq, dk, dv, dg, db, dA if (A_log is not None and in_kernel) else None,
                 dbias if (dt_bias is not None and in_kernel) else None)

@@ -151,16 +151,26 @@ def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: O
               state_v_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, d_initial_state); absent ones are empty. chunk_states: the
     forward's saved chunk-start states (float32), read instead of recomputed, or None."""
-    gate_in_kernel = gate != PRE_GATED
-    dq, dk, dv, dg, db = (torch.empty_like(x) for x in (q, k, v, g, beta))
-    dA = _grad_like(A_log if gate_in_kernel else None, q)
-    dbias = _grad_like(dt_bias if gate_in_kernel else None, q)
-    dh0 = _grad_like(initial_state, q)
     p = _backward_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, d_out, d_final_state, scale,
                          gate, lower_bound, qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size,
                          state_v_first)
     p.initial_state = view(initial_state)
     p.chunk_states = view(chunk_states)
+    grads = _gradient_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state, gate)
+    call = _C.BackwardCall(p)
+    ws = workspace(call.workspace_size, q.device)
+    call.run(view(ws), stream_of(q))
+    return grads
+
+
+def _gradient_outputs(p, q, k, v, g, beta, A_log, dt_bias, initial_state, gate):
+    """A backward call's gradient outputs, allocated and set on p: (dq, dk, dv, dg, dbeta, dA_log, ddt_bias,
+    d_initial_state), the absent ones empty."""
+    gate_in_kernel = gate != PRE_GATED
+    dq, dk, dv, dg, db = (torch.empty_like(x) for x in (q, k, v, g, beta))
+    dA = _grad_like(A_log if gate_in_kernel else None, q)
+    dbias = _grad_like(dt_bias if gate_in_kernel else None, q)
+    dh0 = _grad_like(initial_state, q)
     p.dq, p.dk, p.dv, p.dg, p.dbeta = view(dq), view(dk), view(dv), view(dg), view(db)
     if A_log is not None and gate_in_kernel:
         p.dA_log = view(dA)
@@ -168,9 +178,6 @@ def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: O
         p.ddt_bias = view(dbias)
     if initial_state is not None:
         p.d_initial_state = view(dh0)
-    call = _C.BackwardCall(p)
-    ws = workspace(call.workspace_size, q.device)
-    call.run(view(ws), stream_of(q))
     return dq, dk, dv, dg, db, dA, dbias, dh0
 
 
@@ -211,6 +218,51 @@ def _(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, d_out, d_fin
       qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size, state_v_first):
     N = num_sequences(q, cu_seqlens)
     return q.new_empty(state_shape(N, v.shape[2], k.shape[3], v.shape[3], state_v_first), dtype=torch.float32)
+
+
+class SplitBackward:
+    """A backward of one sequence ([1, T, ...], CUDA) in the two halves of a context-parallel run
+    (kdakit::BackwardParams::cp_phase).
+
+    Made: the half that does not depend on d_final_state runs (the forward's recompute, the reverse scan's segments),
+    and with want_initial `d_initial` holds the gradient with respect to the initial state for a zero d_final_state,
+    float32 [1, HV, K, V] (the rank's E of spec §7.4; else None). `finish(d_final_state)` then runs the rest on the
+    same workspace and returns chunk_bwd's tuple. `opts`: chunk_bwd's scale .. chunk_size. No autograd: the caller's
+    backward."""
+
+    def __init__(self, q, k, v, g, beta, A_log, dt_bias, initial_state, d_out, chunk_states, want_initial, *opts):
+        self._inputs = (q, k, v, g, beta, A_log, dt_bias)
+        self._initial, self._d_out, self._states, self._opts = initial_state, d_out, chunk_states, opts
+        HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+        self.d_initial = q.new_empty((1, HV, K, V), dtype=torch.float32) if want_initial else None
+        p = self._params(None, _C.CpPhase.SUMMARY)
+        p.d_initial_state = view(self.d_initial)
+        call = _C.BackwardCall(p)
+        self._ws_size = call.workspace_size
+        self._ws = workspace(self._ws_size, q.device)
+        call.run(view(self._ws), stream_of(q))
+        self._done = False
+
+    def _params(self, d_final_state, phase):
+        p = _backward_params(*self._inputs, None, None, self._d_out, d_final_state, *self._opts, False)
+        p.initial_state = view(self._initial)
+        p.chunk_states = view(self._states)
+        p.cp_phase = phase
+        return p
+
+    def finish(self, d_final_state: Optional[Tensor]):
+        if self._done:
+            raise RuntimeError("SplitBackward.finish: already run (its workspace holds the summary call's work once)")
+        p = self._params(d_final_state, _C.CpPhase.FINISH)
+        grads = _gradient_outputs(p, *self._inputs, self._initial, self._opts[1])
+        call = _C.BackwardCall(p)
+        if call.workspace_size != self._ws_size:
+            raise RuntimeError(f"SplitBackward.finish: the finish call plans a workspace of {call.workspace_size} "
+                               f"bytes, the summary call's was {self._ws_size}")
+        call.run(view(self._ws), stream_of(self._d_out))
+        self._done = True
+        self._ws = None
+        return grads
 
 
 def _setup_context(ctx, inputs, output):

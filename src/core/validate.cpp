@@ -449,6 +449,33 @@ Plan plan_forward(const ForwardParams& p) {
   return plan;
 }
 
+// The halves of a context-parallel backward (CpPhase): CUDA, one sequence; kSummary writes d_initial_state alone.
+static void check_backward_cp_phase(const BackwardParams& p, const Problem& pr) {
+  const int phase = static_cast<int>(p.cp_phase);
+  if (phase < 0 || phase > 2) fail("cp_phase", "expected kNone, kSummary or kFinish (0, 1, 2), got " + std::to_string(phase));
+  if (p.cp_phase == CpPhase::kNone) return;
+  if (pr.device != Device::kCUDA) {
+    fail("cp_phase", "the split context-parallel backward runs on CUDA tensors only, got CPU tensors");
+  }
+  if (pr.varlen) fail("cu_seqlens", "is not taken with cp_phase: pass the one sequence as [1, T, ...]");
+  if (pr.N != 1) fail("cp_phase", "takes one sequence per call, got " + std::to_string(pr.N));
+  if (p.d_initial_state_only) fail("d_initial_state_only", "is not taken with cp_phase (kSummary computes d_initial_state)");
+  if (p.cp_phase != CpPhase::kSummary) return;
+  if (p.d_final_state.present()) {
+    fail("d_final_state", "a kSummary call runs from a zero d_final_state; the later ranks' gradient goes to kFinish");
+  }
+  const std::pair<const TensorView*, const char*> later[] = {
+      {&p.dq, "dq"}, {&p.dk, "dk"}, {&p.dv, "dv"}, {&p.dg, "dg"}, {&p.dbeta, "dbeta"}, {&p.dA_log, "dA_log"},
+      {&p.ddt_bias, "ddt_bias"}};
+  for (const auto& [view, name] : later) {
+    if (view->present()) fail(name, "must be absent with cp_phase kSummary (the kFinish call writes it)");
+  }
+  if (p.d_initial_state.present()) {
+    require_state(p.d_initial_state, "d_initial_state", pr, p.layout, pr.N);
+    require_float(p.d_initial_state, "d_initial_state");
+  }
+}
+
 Plan plan_backward(const BackwardParams& p) {
   Plan plan = plan_inputs(p.in, /*headwise_beta_allowed=*/false);
   const Problem& pr = plan.pr;
@@ -462,6 +489,12 @@ Plan plan_backward(const BackwardParams& p) {
   if (p.d_final_state.present()) {
     require_state(p.d_final_state, "d_final_state", pr, p.layout, pr.N);
     require_float(p.d_final_state, "d_final_state");
+  }
+  check_backward_cp_phase(p, pr);
+  if (p.cp_phase == CpPhase::kSummary) {
+    if (p.chunk_states.present()) require_chunk_states(p.chunk_states, "chunk_states", plan, p.layout, p.chunk_size);
+    if (p.workspace_bytes > 0 && p.workspace == nullptr) fail("workspace", "workspace_bytes > 0 but workspace is null");
+    return plan;
   }
   if (p.d_initial_state_only) {
     const std::pair<const TensorView*, const char*> unused[] = {

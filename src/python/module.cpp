@@ -353,6 +353,7 @@ NB_MODULE(_C, m) {
       .def_rw("ddt_bias", &BackwardParams::ddt_bias)
       .def_rw("d_initial_state", &BackwardParams::d_initial_state)
       .def_rw("d_initial_state_only", &BackwardParams::d_initial_state_only)
+      .def_rw("cp_phase", &BackwardParams::cp_phase)
       .def("set_workspace", &set_workspace<BackwardParams>, nb::arg("workspace"));
 
   nb::class_<DecodeParams>(m, "DecodeParams")

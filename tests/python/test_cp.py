@@ -289,6 +289,25 @@ def test_simulated_forward_rejects_what_cp_has_not():
         cp._simulated_forward(x, x, x, -x, torch.rand(1, 8, 1), cu_of([8]), 2, initial_state=torch.zeros(1, 1, 4, 4))
 
 
+def test_split_backward_halves_are_cuda_only():
+    """The split backward's halves (kdakit::BackwardParams::cp_phase) refuse CPU tensors, naming cp_phase (checked
+    before any work); their other rules are tests/cpp/cuda/test_backward_plan.cpp's and, on a GPU,
+    tests/python/cuda/test_cp_split_backward.py's."""
+    from kdakit import _C
+    from kdakit.ops import SplitBackward
+
+    x = torch.rand(1, 64, 1, 16)
+    beta = torch.rand(1, 64, 1)
+    with pytest.raises(kdakit.InvalidArgumentError, match="cp_phase.*CUDA tensors only"):
+        SplitBackward(x, x, x, -x, beta, None, None, None, x, None, True, 0.25, 0, -5.0, False, False, False, False, 64)
+    p = _C.BackwardParams()
+    _C.set_inputs(p.inputs, x, x, x, -x, beta, None, None, None, None, 0.25, 0, -5.0, False, False, False)
+    p.d_out = _C.view(x)
+    p.cp_phase = _C.CpPhase.FINISH
+    with pytest.raises(kdakit.InvalidArgumentError, match="cp_phase"):
+        _C.validate_backward(p)
+
+
 def test_split_forward_halves_check_their_arguments():
     """The split forward's halves (kdakit::CpPhase) are CUDA-only and take no stray outputs: each refusal names the
     argument (checked before any device work, so on the CPU too)."""

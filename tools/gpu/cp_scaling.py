@@ -1,7 +1,7 @@
 """Context-parallel scaling: one sequence of T tokens over 1, 2 or 4 GPUs (NCCL), kdakit and FLA's CP.
 
     python3 tools/gpu/cp_scaling.py [--tokens 1048576] [--heads 8] [--worlds 1,2,4] [--reps 5] [--libs kdakit,FLA]
-                                    [--train]
+                                    [--train] [--profile]
 
 bf16 q/k/v, K = V = 128, gate (lower_bound -5), L2 norm and beta sigmoid in kernel, no initial state (issue rows of
 the scaling goal). World size 1 is chunk_kda on the whole sequence without a context; W > 1 runs W processes, one
@@ -13,6 +13,8 @@ rank's (CUDA events around the call, ranks aligned by a barrier first); printed:
 warm-up, and the ratio to world size 1. FLA: fla.ops.kda.chunk_kda with fla.ops.cp.build_cp_context, the same
 inputs; skipped where FLA is missing. --libs picks the libraries (FLA's first run at a new length autotunes for
 minutes).
+--profile: after the timing, one more call of each library under torch.profiler on every rank; each rank prints its
+kernels by total GPU time (NCCL kernels include their wait for the other ranks).
 """
 import argparse
 import os
@@ -84,12 +86,29 @@ def runners(x, params, ctx_kdakit=None, ctx_fla=None, fla=True, ours=True, train
     return out
 
 
+def profile_table(fn, label, top=14):
+    """One call of fn under torch.profiler: the kernels by total GPU time, as lines headed by label."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    rows.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in rows) / 1e3
+    lines = [f"-- {label}: kernels {total:.2f} ms in all"]
+    for e in rows[:top]:
+        lines.append(f"   {e.device_time_total / 1e3:9.3f} ms  x{e.count:<4d} {e.key[:100]}")
+    return "\n".join(lines)
+
+
 def grad_mode(train):
     """Inference mode for forward-only timing; autograd on (inputs requiring grad) for training steps."""
     return torch.enable_grad() if train else torch.inference_mode()
 
 
-def rank_main(rank, world, init_file, T, H, reps, fla, ours, train, result_file):
+def rank_main(rank, world, init_file, T, H, reps, fla, ours, train, result_file, prof=False):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -114,6 +133,12 @@ def rank_main(rank, world, init_file, T, H, reps, fla, ours, train, result_file)
                     res[name] = timed(fn, reps, dist.group.WORLD)
                 except Exception as e:  # noqa: BLE001
                     res[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
+                if prof and isinstance(res[name], float):
+                    table = profile_table(fn, f"{name} W={world} rank {rank}")
+                    for r in range(world):  # one rank's table at a time
+                        if r == rank:
+                            print(table, flush=True)
+                        dist.barrier()
         if rank == 0:
             with open(result_file, "w") as f:
                 f.write(repr(res))
@@ -133,6 +158,7 @@ def main(argv):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--libs", default="kdakit,FLA")
     ap.add_argument("--train", action="store_true", help="time training steps (forward + backward)")
+    ap.add_argument("--profile", action="store_true", help="print each rank's kernels of one more call")
     a = ap.parse_args(argv)
     worlds = [int(w) for w in a.worlds.split(",") if int(w) <= max(1, torch.cuda.device_count())]
     T, H = a.tokens, a.heads
@@ -145,14 +171,17 @@ def main(argv):
         if w == 1:
             x, params = inputs(T, H, "cuda", 1000, a.train)
             with grad_mode(a.train):
-                rows[1] = {n: timed(fn, a.reps) for n, fn in runners(x, params, fla=fla, ours=ours,
-                                                                     train=a.train).items()}
+                calls = runners(x, params, fla=fla, ours=ours, train=a.train)
+                rows[1] = {n: timed(fn, a.reps) for n, fn in calls.items()}
+                if a.profile:
+                    for n, fn in calls.items():
+                        print(profile_table(fn, f"{n} W=1"), flush=True)
             del x
             torch.cuda.empty_cache()
         else:
             with tempfile.TemporaryDirectory() as d:
                 rf = os.path.join(d, "result")
-                mp.spawn(rank_main, args=(w, os.path.join(d, "init"), T, H, a.reps, fla, ours, a.train, rf),
+                mp.spawn(rank_main, args=(w, os.path.join(d, "init"), T, H, a.reps, fla, ours, a.train, rf, a.profile),
                          nprocs=w, join=True)
                 rows[w] = eval(open(rf).read())  # noqa: S307  (written by rank 0 above)
         print(f"W={w}: {rows[w]}", flush=True)

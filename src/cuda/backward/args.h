@@ -28,6 +28,11 @@ struct BackwardArgs : KdaArgs {
   int chunk = 64, KP = 64, VP = 64;
   int nks = 1;                        // 16-key slices of the gradient kernel
   bool scan_writes = true;            // the scan writes dh_c and dv_new (false: d_initial_state only)
+  // kdakit::CpPhase (one sequence). kCpSummary: the pre-scan runs every segment from zero with its M^T (segment 0
+  // only for d_initial), and the merge folds them into d_initial; no final scan (uncut: the scan alone, writing
+  // nothing but d_initial). kCpFinish: no pre-scan; the merge starts one step later (the last segment's slot from
+  // d_final); then the usual scan.
+  int cp_phase = 0;
   int64_t* chunk_offsets = nullptr;   // [N+1], the forward's chunk-offsets kernel
   int64_t num_slots = 0;              // chunk slots (an upper bound of the chunks)
 

@@ -22,18 +22,23 @@
 namespace kdakit::cuda {
 
 // The reverse state scan at the plan's value tile (BwdScanLayout) and stage ring; where the forward cut sequences,
-// first the segments' pre-scan and the merge of their end gradients.
+// first the segments' pre-scan and the merge of their end gradients (a context-parallel finish: the merge alone, on
+// its summary's pre-scan).
 template <typename Elem>
 void launch_backward_scan(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream_t stream) {
   auto launch = [&](auto kp_tag, auto bv_tag) {
     constexpr int KP = decltype(kp_tag)::value, BV = decltype(bv_tag)::value;
     const int64_t rows = a.seg_offsets != nullptr ? a.num_segments : a.N;  // CTA rows: segments, or sequences
     if (a.seg_offsets != nullptr) {
-      auto pre = backward_scan_kernel<Elem, KP, BV, true>;
-      set_dynamic_smem(reinterpret_cast<const void*>(pre), bl.smem.scan);
-      const int64_t ctas = rows * a.HV * (bl.vt + KP / BV);
-      pre<<<static_cast<unsigned>(ctas), bwd_scan_threads(BV), bl.smem.scan, stream>>>(a, bl.scan_ring);
-      check_launch("backward_scan_kernel (segment scan)");
+      if (a.cp_phase != kCpFinish) {
+        auto pre = backward_scan_kernel<Elem, KP, BV, true>;
+        set_dynamic_smem(reinterpret_cast<const void*>(pre), bl.smem.scan);
+        const int64_t ctas = rows * a.HV * (bl.vt + KP / BV);
+        pre<<<static_cast<unsigned>(ctas), bwd_scan_threads(BV), bl.smem.scan, stream>>>(a, bl.scan_ring);
+        check_launch("backward_scan_kernel (segment scan)");
+      }
+      // A summary without d_initial: the pre-scan alone (its merge and scan serve d_initial only).
+      if (a.cp_phase == kCpSummary && !a.d_initial.present()) return;
       static_assert(bwd_merge_smem(KP) == MergeLayout<KP>::bytes(), "the planner's merge size");
       auto merge = backward_segment_merge_kernel<KP>;
       set_dynamic_smem(reinterpret_cast<const void*>(merge), bl.smem.merge);
@@ -41,6 +46,8 @@ void launch_backward_scan(const BackwardArgs& a, const BackwardLaunch& bl, cudaS
       merge<<<static_cast<unsigned>(mctas), kMergeThreads, bl.smem.merge, stream>>>(a);
       check_launch("backward_segment_merge_kernel");
     }
+    // A cut summary: d_initial is the merge's fold.
+    if (a.cp_phase == kCpSummary && (a.seg_offsets != nullptr || !a.d_initial.present())) return;
     auto scan = backward_scan_kernel<Elem, KP, BV>;
     set_dynamic_smem(reinterpret_cast<const void*>(scan), bl.smem.scan);
     const int64_t ctas = rows * a.HV * bl.vt;
@@ -62,7 +69,7 @@ template <typename InT>
 void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream_t stream) {
   using Elem = typename std::conditional<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16, float>::type;
   if (a.N > 0) launch_backward_scan<Elem>(a, bl, stream);
-  if (bl.d_initial_only) return;  // d_initial_state is the scan's
+  if (bl.d_initial_only || a.cp_phase == kCpSummary) return;  // d_initial_state is the scan's
   constexpr bool kBf16 = std::is_same<InT, __nv_bfloat16>::value;
   if (kBf16 && bl.slots > 0 && bl.ws_sm90) {  // the planner sets ws_sm90 for bf16 inputs only
     auto ws = backward_wy_states_sm90_kernel<__nv_bfloat16>;

@@ -3,6 +3,11 @@
 // + E_s in fp32, written over E_s, so that slot s then holds the end gradient of segment s - 1. Slot nseg - 1's E
 // (the last segment's scan from dht) is that gradient already; segment 0 has no slot content (its start gradient is
 // the caller's d_initial_state, from the final scan).
+//
+// Context-parallel halves (BackwardArgs::cp_phase), where every segment was pre-scanned from zero with its M_s^T: the
+// summary folds them, from a zero dht, into the sequence's start gradient d_initial = E_0 + M_0^T (E_1 + ...),
+// leaving the slots as they are for the finish; the finish merges in place as above, but from dht through the last
+// segment's M^T.
 #pragma once
 
 #include "cuda/backward/args.h"
@@ -18,7 +23,8 @@ __global__ void __launch_bounds__(kMergeThreads) backward_segment_merge_kernel(c
   const MergeCta m = merge_cta(a, (a.V + kMergeCols - 1) / kMergeCols);
   const int cb = m.cb, hv = m.hv, n = m.n;
   const int64_t nseg = m.nseg;
-  if (nseg <= 2) return;  // the last segment's E is in place
+  const bool summary = a.cp_phase == kCpSummary, finish = a.cp_phase == kCpFinish;
+  if (nseg <= (finish ? 1 : 2) && !summary) return;  // one segment; or two, and the last segment's E is in place
   extern __shared__ __align__(16) char smem_raw[];
   float* sS = reinterpret_cast<float*>(smem_raw);  // [KP][LDS] dS_end(s), this CTA's columns
   float* sM = sS + KP * L::LDS;                     // [KP][LDM] M_s^T, keys e0 .. e0 + kMergeKeys - 1
@@ -26,11 +32,36 @@ __global__ void __launch_bounds__(kMergeThreads) backward_segment_merge_kernel(c
   const bool col_in = col < a.V;
   auto row = [&](int64_t g, int d) { return a.ws_seg + ((g * a.HV + hv) * KP + d) * a.seg_ld; };
   const int64_t g0 = a.seg_offsets[n];
-  for (int64_t s = nseg - 2; s >= 1; --s) {
+  if (summary) {  // registers hold X = E_{nseg-1}; then X <- E_s + M_s^T X for s = nseg - 2 .. 0 (sS: X)
+    constexpr int RG = kMergeThreads / kMergeCols, RPT = KP / RG;
+    const int rg = static_cast<int>(threadIdx.x) / kMergeCols;
+    float acc[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int d = rg + RG * i;
+      acc[i] = col_in && d < a.K ? row(g0 + nseg - 1, d)[col] : 0.f;
+    }
+    for (int64_t s = nseg - 2; s >= 0; --s) {
+      const int64_t g = g0 + s;
+      fold_step<KP>(
+          sS, sM, a.K, VT_cols, [&](int d) { return col_in && d < a.K ? row(g, d)[col] : 0.f; },
+          [&](int d) { return row(g, d); }, acc);
+    }
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int d = rg + RG * i;
+      if (col_in && d < a.K) a.d_initial.store(a.d_initial.offset(n, hv, d, col, a.K, a.V, a.vk), acc[i]);
+    }
+    return;
+  }
+  // The finish's first step: slot nseg - 1 <- M^T dht + E (a zero-end pre-scan there).
+  for (int64_t s = finish ? nseg - 1 : nseg - 2; s >= 1; --s) {
     const int64_t g = g0 + s;
-    merge_step<KP>(
-        sS, sM, a.K, VT_cols, col, col_in, [&](int e) { return row(g + 1, e)[col]; },
-        [&](int d) { return row(g, d); });
+    auto x_of = [&](int e) {
+      if (s < nseg - 1) return row(g + 1, e)[col];
+      return a.d_final.present() ? a.d_final.load(a.d_final.offset(n, hv, e, col, a.K, a.V, a.vk)) : 0.f;
+    };
+    merge_step<KP>(sS, sM, a.K, VT_cols, col, col_in, x_of, [&](int d) { return row(g, d); });
   }
 }
 

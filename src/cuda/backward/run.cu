@@ -53,7 +53,8 @@ void backward(const BackwardParams& p, const detail::Plan& plan, const BackwardL
     fwd.intermediate_states =
         ws_view(ws + bl.off_h, DType::kFloat32, {rows, per, pr.HV, vk ? V : K, vk ? K : V}, dev);
   }
-  if (pr.N > 0 || bl.slots + bl.fwd.tail_slots > 0) {
+  // A context-parallel finish: its summary call ran them on this workspace.
+  if ((pr.N > 0 || bl.slots + bl.fwd.tail_slots > 0) && p.cp_phase != CpPhase::kFinish) {
     ForwardArgs fa = forward_args(fwd, plan, bl.fwd, ws);
     if (!bl.d_initial_only) {  // the WY pass's Tm and u's lo part
       fa.ws_tm = reinterpret_cast<float*>(ws + bl.off_tm);
@@ -86,7 +87,8 @@ void backward(const BackwardParams& p, const detail::Plan& plan, const BackwardL
   a.KP = bl.fwd.cfg.KP;
   a.VP = bl.fwd.VP;
   a.nks = bl.nks;
-  a.scan_writes = !bl.d_initial_only;
+  a.scan_writes = !bl.d_initial_only && p.cp_phase != CpPhase::kSummary;
+  a.cp_phase = static_cast<int>(p.cp_phase);
   a.chunk_offsets = reinterpret_cast<int64_t*>(ws + bl.fwd.off_offsets);
   a.num_slots = bl.slots;
   if (bl.segments > 0) {  // the forward's chunk-offsets kernel wrote its segment table (forward_args)

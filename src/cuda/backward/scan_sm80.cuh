@@ -82,8 +82,11 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
   }
   const bool trans = SCAN && tile >= VT;
   // The pre-scan skips segment 0 (its start gradient is the final scan's) and M of the last segment (it starts from
-  // dht, which needs no merge).
-  if (SCAN && (seg == 0 || (trans && seg == nseg - 1))) return;
+  // dht, which needs no merge). A context-parallel summary starts the last from zero too (its finish merges dht
+  // through M^T), and scans segment 0 where it folds d_initial (BackwardArgs::cp_phase).
+  const bool summary = a.cp_phase == kCpSummary;
+  if (SCAN && !summary && (seg == 0 || (trans && seg == nseg - 1))) return;
+  if (SCAN && summary && seg == 0 && !a.d_initial.present()) return;
   const int vt = trans ? tile - VT : tile;
   const int64_t base = a.chunk_offsets[n];
   const int tid = threadIdx.x, warp = tid >> 5, w4 = warp & 3, cb = (warp >> 2) * HB;

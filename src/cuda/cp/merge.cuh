@@ -47,6 +47,22 @@ __device__ __forceinline__ void add_transition_product(const float* sS, float* s
   }
 }
 
+// One fold step for this thread's rows (the fold keeps X in registers, acc): X to sS, then acc = E + M X, E's rows
+// from e_of(d), M's rows from row(d) at columns [m_col0, m_col0 + K). The forward's fold and the backward's share it.
+template <int KP, typename EOf, typename Row>
+__device__ __forceinline__ void fold_step(float* sS, float* sM, int K, int m_col0, EOf&& e_of, Row&& row,
+                                          float (&acc)[KP / (kMergeThreads / kMergeCols)]) {
+  using L = MergeLayout<KP>;
+  constexpr int RG = kMergeThreads / kMergeCols, RPT = KP / RG;
+  const int j = static_cast<int>(threadIdx.x) % kMergeCols, rg = static_cast<int>(threadIdx.x) / kMergeCols;
+  __syncthreads();  // the previous step's reads of sS are done
+#pragma unroll
+  for (int i = 0; i < RPT; ++i) sS[(rg + RG * i) * L::LDS + j] = acc[i];
+#pragma unroll
+  for (int i = 0; i < RPT; ++i) acc[i] = e_of(rg + RG * i);
+  add_transition_product<KP>(sS, sM, K, m_col0, row, acc);
+}
+
 // One merge step for this CTA's column `col`: Y = M X + E over keys [0, K), X's rows e < K from x_of(e), E's and M's
 // rows from row(d) (E at column col, M at columns [m_col0, m_col0 + K)), Y written over E. sS and sM are the
 // MergeLayout tiles, sS free on entry; the step ends with a barrier (Y visible to the CTA). The forward's
@@ -152,15 +168,9 @@ __global__ void __launch_bounds__(kMergeThreads) segment_fold_kernel(const Forwa
   }
   for (int64_t s = 1; s < nseg; ++s) {
     const int64_t g = g0 + s;
-    __syncthreads();  // the previous step's reads of sS are done
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) sS[(rg + RG * i) * L::LDS + j] = acc[i];
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) {
-      const int d = rg + RG * i;
-      acc[i] = col_in && value && d < a.K ? row(g, d)[col] : 0.f;
-    }
-    add_transition_product<KP>(sS, sM, a.K, VT_cols, [&](int d) { return row(g, d); }, acc);
+    fold_step<KP>(
+        sS, sM, a.K, VT_cols, [&](int d) { return col_in && value && d < a.K ? row(g, d)[col] : 0.f; },
+        [&](int d) { return row(g, d); }, acc);
   }
 #pragma unroll
   for (int i = 0; i < RPT; ++i) {

@@ -8,6 +8,9 @@
 
 namespace kdakit::cuda {
 
+// ForwardArgs::cp_phase and BackwardArgs::cp_phase values (kdakit::CpPhase: multi-device context parallelism).
+constexpr int kCpSummary = 1, kCpFinish = 2;
+
 // The cut of one sequence of nch chunks: its segment count, and the chunks of each segment but the last (`per`).
 // A sequence is cut only if it has at least 2 * min_chunks chunks, into at most `target` segments of at least
 // min_chunks chunks each. It depends on the sequence's own length and on target (fixed by the head count and the

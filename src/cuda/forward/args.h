@@ -11,9 +11,6 @@
 
 namespace kdakit::cuda {
 
-// ForwardArgs::cp_phase values (kdakit::CpPhase).
-constexpr int kCpSummary = 1, kCpFinish = 2;
-
 struct ForwardArgs : KdaArgs {
   // Inputs q, k, v (one dtype, the kernels' InT), g (float32, or 16 bits: bfloat16 or float16, read as it is by the
   // prepare kernel's GB instantiation) and beta [B,T,HV] (any float dtype).

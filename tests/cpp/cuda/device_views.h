@@ -2,13 +2,28 @@
 // planners read only these facts (never the memory), so they run without a GPU.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <initializer_list>
+#include <string>
 
 #include "cuda/device.h"
 #include "kdakit/kdakit.h"
 
 namespace kdakit::test {
+
+// Planning the case (its plan()) throws InvalidArgument naming `argument`, with `text` in its message.
+template <typename Case>
+void expect_rejected(const Case& c, const char* argument, const char* text) {
+  try {
+    c.plan();
+    ADD_FAILURE() << "expected InvalidArgument for " << argument;
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(e.argument(), argument);
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+  }
+}
 
 // Device facts the planner tests plan for: SMs, compute capability, opt-in shared memory per block.
 inline const cuda::DeviceInfo kH200{132, 90, 227 * 1024};

@@ -239,6 +239,55 @@ TEST(BackwardPlan, InitialStateGradientOnlyRunsThePrepareAndTheScan) {
   }
 }
 
+// The split context-parallel backward (BackwardParams::cp_phase): the summary (no gradient outputs, no d_final_state)
+// and the finish plan the same workspace, part for part, so that the finish reads what the summary left; what the
+// halves refuse names the argument.
+TEST(BackwardPlan, SplitContextParallelHalvesShareOneWorkspace) {
+  for (const int64_t T : {1000, 65536}) {  // the long one scans in segments
+    BackwardCase finish(1, T, 8);
+    finish.p.cp_phase = CpPhase::kFinish;
+    BackwardCase summary = finish;
+    summary.p.cp_phase = CpPhase::kSummary;
+    summary.p.d_final_state = TensorView();
+    for (TensorView* g : {&summary.p.dq, &summary.p.dk, &summary.p.dv, &summary.p.dg, &summary.p.dbeta,
+                          &summary.p.dA_log, &summary.p.ddt_bias}) {
+      *g = TensorView();
+    }
+    const BackwardLaunch a = summary.launch(), b = finish.launch();
+    EXPECT_EQ(a.segments, b.segments);
+    EXPECT_EQ(T > 1000, a.segments > 1);
+    const std::vector<Part> pa = workspace_parts(a, summary.p, summary.plan().pr);
+    const std::vector<Part> pb = workspace_parts(b, finish.p, finish.plan().pr);
+    ASSERT_EQ(pa.size(), pb.size());
+    for (std::size_t i = 0; i < pa.size(); ++i) {
+      EXPECT_EQ(pa[i].off, pb[i].off) << pa[i].name;
+      EXPECT_EQ(pa[i].bytes, pb[i].bytes) << pa[i].name;
+    }
+    EXPECT_EQ(a.total, b.total);
+    BackwardCase no_initial = summary;  // a rank whose first sequence starts there
+    no_initial.p.initial_state = TensorView();
+    no_initial.p.d_initial_state = TensorView();
+    EXPECT_EQ(no_initial.launch().total, a.total);
+  }
+  BackwardCase s(1, 1000, 8);
+  s.p.cp_phase = CpPhase::kSummary;
+  for (TensorView* g : {&s.p.dq, &s.p.dk, &s.p.dv, &s.p.dg, &s.p.dbeta, &s.p.dA_log, &s.p.ddt_bias}) *g = TensorView();
+  expect_rejected(s, "d_final_state", "zero d_final_state");
+  s.p.d_final_state = TensorView();
+  BackwardCase with_dq = s;
+  with_dq.p.dq = device_view(DType::kBFloat16, {1, 1000, 8, 128});
+  expect_rejected(with_dq, "dq", "kFinish call writes it");
+  BackwardCase only = s;
+  only.p.d_initial_state_only = true;
+  expect_rejected(only, "d_initial_state_only", "not taken with cp_phase");
+  BackwardCase two(2, 1000, 8);
+  two.p.cp_phase = CpPhase::kFinish;
+  expect_rejected(two, "cp_phase", "one sequence per call, got 2");
+  BackwardCase varlen({500, 500}, 8, true);
+  varlen.p.cp_phase = CpPhase::kFinish;
+  expect_rejected(varlen, "cu_seqlens", "not taken with cp_phase");
+}
+
 TEST(BackwardPlan, TilesAndSlicesCoverOddHeadSizes) {
   for (const auto& kv : std::vector<std::pair<int64_t, int64_t>>{{16, 16}, {60, 100}, {100, 60}, {256, 256}}) {
     const BackwardCase c(1, 300, 2, 4, kv.first, kv.second);

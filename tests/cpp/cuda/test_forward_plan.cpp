@@ -80,17 +80,6 @@ void expect_workspace_layout(const ForwardLaunch& f, const ForwardParams& p, con
   }
 }
 
-// Planning the case throws InvalidArgument naming `argument`, with `text` in its message.
-void expect_rejected(const ForwardCase& c, const char* argument, const char* text) {
-  try {
-    c.plan();
-    ADD_FAILURE() << "expected InvalidArgument for " << argument;
-  } catch (const InvalidArgument& e) {
-    EXPECT_EQ(e.argument(), argument);
-    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
-  }
-}
-
 TEST(ForwardPlan, HopperManyHeadsTakesWarpgroupMmaWithoutCuts) {
   const ForwardCase c(1, 8192, 64);
   const ForwardLaunch f = c.plan();

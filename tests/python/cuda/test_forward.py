@@ -294,16 +294,22 @@ def test_context_parallel_segments(monkeypatch, dtype, K, V, group):
 def test_context_parallel_segments_slow_decay(monkeypatch, dtype):
     """A weak pre-gated decay (about -0.003 a token): a segment's transition M is far from zero, so the merge's
     S_start(s + 1) = M_s S_start(s) + E_s carries the earlier segments (with the usual gates M is ~0 past a few
-    tokens and only E_s would be checked)."""
-    _force_segments(monkeypatch)
+    tokens and only E_s would be checked). The cut forward is as accurate as the uncut one on the same inputs (its
+    error within 1% of the uncut one's), and float32 within 1e-4. bfloat16 is not held to 4e-3 here: with this decay,
+    which is outside FLA's input recipes (gate normalizer <= 10), the uncut bfloat16 forward itself is at 5.3-5.7e-3
+    (docs/perf-notes.md)."""
     cu = [0, 1000, 1005, 1705, 2198]
     x = make(1, 0, 2, 2, 64, 64, dtype=dtype, cu=cu, gate="pre", norm=200.0)
-    o, ht = run(x, cu_seqlens_cpu=torch.tensor(cu))
     ro, rht = reference(x)
-    for name, got, want in (("output", o, ro), ("final state", ht, rht)):
+    uncut = run(x, cu_seqlens_cpu=torch.tensor(cu))
+    _force_segments(monkeypatch)
+    cut = run(x, cu_seqlens_cpu=torch.tensor(cu))
+    for name, got, plain, want in (("output", cut[0], uncut[0], ro), ("final state", cut[1], uncut[1], rht)):
         assert torch.isfinite(got).all(), f"{name}: NaN or Inf"
-        err = rel_rms(got, want)
-        assert err <= TOL[dtype], f"{name}: relative RMS error {err:.2e} > {TOL[dtype]:.0e}"
+        err, err_uncut = rel_rms(got, want), rel_rms(plain, want)
+        assert err <= 1.01 * err_uncut, f"{name}: relative RMS error {err:.2e}, uncut {err_uncut:.2e}"
+        if dtype == torch.float32:
+            assert err <= TOL[dtype], f"{name}: relative RMS error {err:.2e} > {TOL[dtype]:.0e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
