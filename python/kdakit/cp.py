@@ -283,18 +283,20 @@ def merge_forward_states(states: Sequence[Optional[torch.Tensor]], transitions: 
 _PIECE_OPTIONS = _TRANSITION_OPTIONS + ("safe_gate", "scale", "chunk_size", "disable_recompute")
 
 
-def _context_view(ctx) -> Tuple[int, int, bool, bool, int]:
-    """(rank, world_size, first continues, last continues, pre_num_ranks) of kdakit's context or FLA's."""
+def _context_view(ctx) -> Tuple[int, int, bool, bool, int, int]:
+    """(rank, world_size, first continues, last continues, pre_num_ranks, post_num_ranks) of kdakit's context or
+    FLA's."""
     group = getattr(ctx, "group", None)
     if group is None:
         raise InvalidArgumentError("cp_context: its group must be set (a torch.distributed process group)")
-    missing = [n for n in ("cu_seqlens", "is_first_rank", "is_last_rank", "pre_num_ranks") if not hasattr(ctx, n)]
+    names = ("cu_seqlens", "is_first_rank", "is_last_rank", "pre_num_ranks", "post_num_ranks")
+    missing = [n for n in names if getattr(ctx, n, None) is None]
     if missing:
         raise InvalidArgumentError(f"cp_context: expected kdakit's or FLA's context, it has no {', '.join(missing)}")
     import torch.distributed as dist
 
     return (dist.get_rank(group), dist.get_world_size(group), not bool(ctx.is_first_rank),
-            not bool(ctx.is_last_rank), int(ctx.pre_num_ranks))
+            not bool(ctx.is_last_rank), int(ctx.pre_num_ranks), int(ctx.post_num_ranks))
 
 
 def _check_group_device(group, q) -> None:
@@ -319,7 +321,7 @@ def forward(q, k, v, g, beta, ctx, **opts):
     bad = sorted(set(opts) - set(_PIECE_OPTIONS))
     if bad:
         raise InvalidArgumentError(f"{bad[0]}: not taken with cp_context (context parallelism)")
-    rank, world_size, from_previous, into_next, pre = _context_view(ctx)
+    rank, world_size, from_previous, into_next, pre, post = _context_view(ctx)
     _check_group_device(ctx.group, q)
     if isinstance(ctx, CPContext):
         check_local_length(ctx, q)
@@ -379,7 +381,7 @@ def forward(q, k, v, g, beta, ctx, **opts):
     save = bool(opts.get("disable_recompute", False)) and half is None
     run = LocalRun(
         group=ctx.group, rank=rank, world_size=world_size, from_previous=from_previous, into_next=into_next,
-        first_is_last=N == 1, first_len=int(cu_cpu[1]), cu=cu, cu_cpu=cu_cpu, h0=h0, half=half,
+        post_num_ranks=post, first_is_last=N == 1, first_len=int(cu_cpu[1]), cu=cu, cu_cpu=cu_cpu, h0=h0, half=half,
         kernel_opts=(scale, gate, lb, bool(opts.get("use_qk_l2norm_in_kernel", False)),
                      bool(opts.get("use_beta_sigmoid_in_kernel", False)), bool(opts.get("allow_neg_eigval", False)),
                      bool(opts.get("safe_gate", False)), chunk_size),

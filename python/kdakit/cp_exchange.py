@@ -14,18 +14,17 @@ from . import _C
 InvalidArgumentError = _C.InvalidArgumentError
 
 
-def fold_outgoing_gradient(grads: Sequence[torch.Tensor], continues: Sequence[bool],
-                           transitions: Sequence[Optional[torch.Tensor]], rank: int) -> torch.Tensor:
+def fold_outgoing_gradient(grads: Sequence[torch.Tensor], transitions: Sequence[Optional[torch.Tensor]], rank: int,
+                           post_num_ranks: int) -> torch.Tensor:
     """The gradient of the later ranks' losses with respect to the state that rank `rank`'s last local sequence passes
-    on (spec §7.4): over the ranks j = rank + 1 .. e the sequence spans (each j < e holds one piece of it, which goes
-    on: continues[j]), dS = E_e, then dS <- E_j + M_j^T dS from e - 1 down to rank + 1. grads[j] ([HV, K, V]) is E_j,
-    the gradient of rank j's own loss with respect to its first piece's initial state; transitions[j] ([HV, K, K]) the
-    M_j of rank j's last piece (its first, for j < e)."""
-    if not 0 <= rank < len(grads) - 1:
-        raise InvalidArgumentError(f"rank: expected 0..{len(grads) - 2} (a later rank to fold from), got {rank}")
-    last = rank + 1
-    while last + 1 < len(grads) and continues[last]:
-        last += 1
+    on (spec §7.4). The sequence ends on rank e = rank + post_num_ranks and each rank between holds one piece of it:
+    dS = E_e, then dS <- E_j + M_j^T dS from e - 1 down to rank + 1. grads[j] ([HV, K, V]) is E_j, the gradient of
+    rank j's own loss with respect to its first piece's initial state; transitions[j] ([HV, K, K]) the M_j of rank j's
+    last piece (its one piece, for j < e). No host synchronisation: post_num_ranks comes from the context."""
+    if not 1 <= post_num_ranks < len(grads) - rank:
+        raise InvalidArgumentError(
+            f"post_num_ranks: expected 1..{len(grads) - 1 - rank} for rank {rank} of {len(grads)}, got {post_num_ranks}")
+    last = rank + post_num_ranks
     dS = grads[last]
     for j in range(last - 1, rank, -1):
         M = transitions[j].to(dS.dtype)
@@ -41,6 +40,7 @@ class LocalRun:
     world_size: int
     from_previous: bool   # the first local sequence began on an earlier rank
     into_next: bool       # the last local sequence goes on onto a later rank
+    post_num_ranks: int   # later ranks that sequence spans (FLA's name)
     first_is_last: bool   # the local batch is one sequence piece
     first_len: int        # tokens of the first local sequence
     cu: Any               # the local cu_seqlens and their host copy
@@ -85,25 +85,21 @@ class LocalRun:
 
     def _exchange(self, E: Optional[torch.Tensor], v, k) -> Optional[torch.Tensor]:
         """E ([HV, K, V] float32, this rank's gradient of its own loss with respect to its first piece's initial state;
-        None: zero) and whether its one piece goes on, gathered from every rank; then the gradient of the last local
-        sequence's final state from the later ranks ([N, HV, K, V] float32, zero but for the last sequence), or None
-        where it ends here."""
+        None: zero), gathered from every rank; then the gradient of the last local sequence's final state from the
+        later ranks ([N, HV, K, V] float32, zero but for the last sequence), or None where it ends here."""
         import torch.distributed as dist
 
         HV, K, V = v.shape[2], k.shape[3], v.shape[3]
         if E is None:
             E = torch.zeros((HV, K, V), dtype=torch.float32, device=v.device)
-        flag = E.new_full((1,), 1.0 if (self.first_is_last and self.into_next) else 0.0)
-        mine = torch.cat([E.reshape(-1), flag])
+        mine = E.contiguous()
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine, group=self.group)
         if not self.into_next:
             return None
-        grads = [t[:-1].reshape(HV, K, V) for t in gathered]
-        continues = [bool(t[-1].item()) for t in gathered]
         N = self.cu_cpu.numel() - 1
         d_final = torch.zeros((N, HV, K, V), dtype=torch.float32, device=v.device)
-        d_final[-1] = fold_outgoing_gradient(grads, continues, self.transitions, self.rank)
+        d_final[-1] = fold_outgoing_gradient(gathered, self.transitions, self.rank, self.post_num_ranks)
         return d_final
 
 

@@ -196,7 +196,8 @@ def inputs(T, H, HV, K, V, *, use_gate=False, l2=False, slow=False):
 def test_fold_outgoing_gradient_is_the_chain_rule(seed, continues):
     """The gradient of the later ranks' losses with respect to rank 0's outgoing state, by autograd through the forward
     fold S_in(j + 1) = M_j S_in(j) + S_ext_j (rank j's loss read as <E_j, S_in(j)>, which is what E_j is), equals
-    fold_outgoing_gradient over the ranks the sequence spans (continues[j]: rank j's one piece goes on)."""
+    fold_outgoing_gradient over the ranks the sequence spans (continues[j]: rank j's one piece goes on; the context's
+    post_num_ranks counts them); a span past the group is refused, naming post_num_ranks."""
     gen = torch.Generator().manual_seed(seed)
     P, HV, K, V = 4, 2, 5, 3
     E = [torch.randn(HV, K, V, generator=gen, dtype=torch.float64) for _ in range(P)]
@@ -211,10 +212,11 @@ def test_fold_outgoing_gradient_is_the_chain_rule(seed, continues):
         S = torch.matmul(M[j], S) + S_ext[j]
         j += 1
     (want,) = torch.autograd.grad(loss, out)
-    got = cp_exchange.fold_outgoing_gradient(E, list(continues), M, 0)
+    got = cp_exchange.fold_outgoing_gradient(E, M, 0, j)  # the sequence ends on rank j
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
-    with pytest.raises(kdakit.InvalidArgumentError, match="rank: expected 0..2"):
-        cp_exchange.fold_outgoing_gradient(E, list(continues), M, 3)
+    for rank, post in ((3, 1), (1, 3), (0, 0)):
+        with pytest.raises(kdakit.InvalidArgumentError, match="post_num_ranks"):
+            cp_exchange.fold_outgoing_gradient(E, M, rank, post)
 
 
 @pytest.mark.parametrize("use_gate", [False, True])
