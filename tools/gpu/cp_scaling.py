@@ -86,12 +86,16 @@ def runners(x, params, ctx_kdakit=None, ctx_fla=None, fla=True, ours=True, train
     return out
 
 
-def profile_table(fn, label, top=14):
-    """One call of fn under torch.profiler: the kernels by total GPU time, as lines headed by label."""
+def profile_table(fn, label, top=14, group=None):
+    """One call of fn under torch.profiler: the kernels by total GPU time, as lines headed by label. group: the ranks
+    meet in a barrier inside the profiled region first, so that no rank's profiler start-up counts as another's wait."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        if group is not None:
+            dist.barrier(group=group)
+            torch.cuda.synchronize()
         fn()
         torch.cuda.synchronize()
     rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -134,7 +138,7 @@ def rank_main(rank, world, init_file, T, H, reps, fla, ours, train, result_file,
                 except Exception as e:  # noqa: BLE001
                     res[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
                 if prof and isinstance(res[name], float):
-                    table = profile_table(fn, f"{name} W={world} rank {rank}")
+                    table = profile_table(fn, f"{name} W={world} rank {rank}", group=dist.group.WORLD)
                     for r in range(world):  # one rank's table at a time
                         if r == rank:
                             print(table, flush=True)
