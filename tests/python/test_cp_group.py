@@ -175,6 +175,20 @@ def test_cpu_inputs_under_an_nccl_group_are_refused(monkeypatch):
         kdakit.chunk_kda(x, x, x, -x, torch.rand(1, 20, 1), cp_context=ctx)
 
 
+def test_context_without_rank_spans_is_refused():
+    """A context object with FLA's fields but no post_num_ranks (the span the backward's fold reads) is refused by
+    name before any collective."""
+    from types import SimpleNamespace
+
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    ctx = SimpleNamespace(group=object(), cu_seqlens=cu, cu_seqlens_cpu=cu, is_first_rank=False, is_last_rank=True,
+                          pre_num_ranks=1, post_num_ranks=None)
+    x = torch.rand(1, 20, 1, 8)
+    with pytest.raises(kdakit.InvalidArgumentError, match="cp_context: expected kdakit's or FLA's context, it has no "
+                                                          "post_num_ranks"):
+        kdakit.chunk_kda(x, x, x, -x, torch.rand(1, 20, 1), cp_context=ctx)
+
+
 @pytest.mark.parametrize("extra,match", [
     (dict(cu_seqlens=torch.tensor([0, 20], dtype=torch.int32)), "cu_seqlens: must be None with cp_context"),
     (dict(return_intermediate_states=True), "return_intermediate_states: not taken with cp_context"),
