@@ -5,7 +5,9 @@
 One process per GPU (NCCL; `--device cpu`: gloo on the CPU), every case of the test file (fixed-length sequences,
 varlen sequences crossing rank edges, one sequence over every rank, GVA, both gates and a slow decay): each rank's
 output and gradients against one-process CPU chunk_kda, then a forward-only pass (the split forward where a rank
-holds one sequence). Rank 0 prints one line per case; the exit status is 1 if any rank failed a case.
+holds one sequence). On CUDA, then, the forward-only call captured in a CUDA graph (NCCL's all-gather inside) and
+replayed on new inputs, against an eager call on them, bit for bit. Rank 0 prints one line per case; the exit status
+is 1 if any rank failed a case.
 """
 import argparse
 import os
@@ -14,8 +16,42 @@ import sys
 import torch
 import torch.distributed as dist
 
+import kdakit
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "python"))
 import test_cp_group as cases  # noqa: E402
+
+
+def check_graph(rank):
+    """Forward-only chunk_kda(cp_context=...) on one sequence over every rank (the split forward) captured in a CUDA
+    graph and replayed on new inputs copied into the captured ones: the same bits as an eager call on those inputs."""
+    from kdakit import cp
+
+    tensors, opts, _, cu = cases.make_inputs(cases.CASES["one-long"], True, 7)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ctx = cp.build_context(cu.to(dev), group=dist.group.WORLD)
+    s, e = ctx.token_start, ctx.token_end
+    static = [t[:, s:e].to(dev).contiguous() for t in tensors]
+    params = {n: (t.to(dev) if isinstance(t, torch.Tensor) else t) for n, t in opts.items()}
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture (allocator, communicator)
+            for _ in range(2):
+                kdakit.chunk_kda(*static, cp_context=ctx, **params)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, _ = kdakit.chunk_kda(*static, cp_context=ctx, **params)
+        fresh = cases.make_inputs(cases.CASES["one-long"], True, 8)[0]
+        for dst, src in zip(static, fresh):
+            dst.copy_(src[:, s:e])
+        graph.replay()
+        torch.cuda.synchronize()
+        want, _ = kdakit.chunk_kda(*static, cp_context=ctx, **params)
+    if not torch.equal(out, want):
+        raise AssertionError(f"rank {rank}: the replayed graph's output differs from an eager call's "
+                             f"(max {(out - want).abs().max().item():.3e})")
 
 
 def main(argv):
@@ -43,6 +79,20 @@ def main(argv):
                 if rank == 0:
                     print(f"{world} ranks ({a.device}): {name:9s} gate={use_gate!s:5s} "
                           f"{'FAILED on ' + str(int(bad.item())) + ' ranks' if bad.item() else 'passed'}", flush=True)
+        if a.device == "cuda":
+            error = ""
+            try:
+                check_graph(rank)
+            except Exception as e:  # noqa: BLE001 - a capture NCCL refuses is reported, not raised
+                error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            bad = torch.tensor([1 if error else 0], device="cuda")
+            dist.all_reduce(bad)
+            failed += int(bad.item() > 0)
+            if error:
+                print(f"rank {rank}: graph capture: {error}", flush=True)
+            if rank == 0:
+                print(f"{world} ranks (cuda): forward-only in a CUDA graph "
+                      f"{'FAILED on ' + str(int(bad.item())) + ' ranks' if bad.item() else 'passed'}", flush=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()
