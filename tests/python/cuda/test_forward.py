@@ -242,6 +242,26 @@ def test_against_fla(shape):
     assert rel_rms(ht, fht) <= rel_rms(ht, rht) + rel_rms(fht, rht) + 1e-3
 
 
+@pytest.mark.skipif(fla_chunk_kda is None, reason="flash-linear-attention is not importable")
+@pytest.mark.parametrize("K", [64, 128])
+def test_slow_decay_bfloat16_no_worse_than_fla(K):
+    """bfloat16 with a weak pre-gated decay (logsigmoid(N(0,1)) / 200, about -0.004 a token), outside FLA's input
+    recipes: kdakit's forward misses 4e-3 there (5.3-5.7e-3 at K = 64, docs/perf-notes.md). Its output and final
+    state are no less exact than FLA's on the same inputs."""
+    cu = [0, 1000, 1005, 1705, 2198]
+    x = make(1, 0, 2, 2, K, K, dtype=torch.bfloat16, cu=cu, gate="pre", norm=200.0)
+    o, ht = run(x, cu_seqlens_cpu=torch.tensor(cu))
+    ro, rht = reference(x)
+    with torch.inference_mode():
+        fo, fht = fla_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                                output_final_state=True, cu_seqlens=x["cu"].long(), **x["opts"])
+    for name, ours, theirs, want in (("output", o, fo, ro), ("final state", ht, fht, rht)):
+        assert torch.isfinite(ours).all(), f"{name}: NaN or Inf"
+        e, f = rel_rms(ours, want), rel_rms(theirs, want)
+        print(f"{name}: relative RMS vs float64: kdakit {e:.2e}  FLA {f:.2e}")
+        assert e <= f, f"{name}: kdakit {e:.2e} > FLA {f:.2e}"
+
+
 # Devices with less shared memory per block than Hopper (A100: 163 KB, sm_86/89: 99 KB), emulated on this GPU with
 # KDAKIT_SMEM_LIMIT: the forward picks tiles that fit (narrower, or without the recurrence's prefetch stage), which
 # changes no bit; what cannot fit fails with an error that names the shared memory. KDAKIT_FORWARD_BV=64 makes the
