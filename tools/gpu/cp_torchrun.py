@@ -54,6 +54,25 @@ def check_graph(rank):
                              f"(max {(out - want).abs().max().item():.3e})")
 
 
+def run_check(rank, world, device, label, check, catch):
+    """One check on every rank: rank 0 prints `label` and whether it passed everywhere, a failing rank its first error
+    line. Returns 1 if any rank failed it."""
+    error = ""
+    try:
+        check()
+    except catch as e:
+        first = str(e).splitlines()[0][:160] if str(e) else ""
+        error = first if isinstance(e, AssertionError) else f"{type(e).__name__}: {first}"
+    bad = torch.tensor([1 if error else 0], device="cuda" if device == "cuda" else "cpu")
+    dist.all_reduce(bad)
+    if error:
+        print(f"rank {rank}: {label.strip()}: {error}", flush=True)
+    if rank == 0:
+        print(f"{world} ranks ({device}): {label} "
+              f"{'FAILED on ' + str(int(bad.item())) + ' ranks' if bad.item() else 'passed'}", flush=True)
+    return int(bad.item() > 0)
+
+
 def main(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -66,33 +85,11 @@ def main(argv):
     try:
         for name, lengths in cases.CASES.items():
             for use_gate in (False, True, "slow"):
-                error = ""
-                try:
-                    cases.check_rank(rank, lengths, use_gate, 1234, a.device)
-                except AssertionError as e:
-                    error = str(e).splitlines()[0][:160]
-                bad = torch.tensor([1 if error else 0], device=a.device if a.device == "cuda" else "cpu")
-                dist.all_reduce(bad)
-                failed += int(bad.item() > 0)
-                if error:
-                    print(f"rank {rank}: {name} gate={use_gate}: {error}", flush=True)
-                if rank == 0:
-                    print(f"{world} ranks ({a.device}): {name:9s} gate={use_gate!s:5s} "
-                          f"{'FAILED on ' + str(int(bad.item())) + ' ranks' if bad.item() else 'passed'}", flush=True)
-        if a.device == "cuda":
-            error = ""
-            try:
-                check_graph(rank)
-            except Exception as e:  # noqa: BLE001 - a capture NCCL refuses is reported, not raised
-                error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            bad = torch.tensor([1 if error else 0], device="cuda")
-            dist.all_reduce(bad)
-            failed += int(bad.item() > 0)
-            if error:
-                print(f"rank {rank}: graph capture: {error}", flush=True)
-            if rank == 0:
-                print(f"{world} ranks (cuda): forward-only in a CUDA graph "
-                      f"{'FAILED on ' + str(int(bad.item())) + ' ranks' if bad.item() else 'passed'}", flush=True)
+                failed += run_check(rank, world, a.device, f"{name:9s} gate={use_gate!s:5s}",
+                                    lambda: cases.check_rank(rank, lengths, use_gate, 1234, a.device), AssertionError)
+        if a.device == "cuda":  # a capture NCCL refuses is reported, not raised
+            failed += run_check(rank, world, a.device, "forward-only in a CUDA graph", lambda: check_graph(rank),
+                                Exception)
         dist.barrier()
     finally:
         dist.destroy_process_group()
