@@ -79,7 +79,7 @@ __device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const C
 // their addresses fold into the instructions' offsets instead of taking registers.
 template <typename InT, bool CACHE, int CHUNK>
 __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const BackwardArgs a) {
-  constexpr int LDK = kBwdLdk, KS = kBwdKSlice, C = CHUNK;
+  constexpr int LDK = kBwdLdk, KS = kBwdKSlice, C = CHUNK, P = bwd_split_parts(std::is_same<InT, float>::value);
   static_assert(C == 32 || C == 64, "the chunk sizes of the backward");
   const int64_t slot = blockIdx.x;
   const int hv = blockIdx.y;
@@ -93,9 +93,9 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
 
   extern __shared__ __align__(16) float smem[];
   GradSlice s;
-  __nv_bfloat16* dpl = reinterpret_cast<__nv_bfloat16*>(smem);  // CACHE: dP hi, dP lo, dL hi, dL lo
+  __nv_bfloat16* dpl = reinterpret_cast<__nv_bfloat16*>(smem);  // CACHE: dP's P parts, dL's P parts
   {
-    float* p = smem + (CACHE ? bwd_grad_dpl_cache(C) / sizeof(float) : 0);
+    float* p = smem + (CACHE ? bwd_grad_dpl_cache(C, P) / sizeof(float) : 0);
     auto take = [&p](int n) { float* r = p; p += n; return r; };
     constexpr int tl = C * LDK;
     s.q = take(tl); s.k = take(tl); s.g = take(tl); s.el = take(tl); s.er = take(tl); s.es = take(tl);
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
       s.rk[r] = r < nrows ? (a.l2norm ? 1.f / sqrtf(sk + eps) : 1.f) : 0.f;
     }
   }
-  if constexpr (CACHE) {  // the strictly lower parts of dP and dL in the chunk's rows, split hi + lo
+  if constexpr (CACHE) {  // the strictly lower parts of dP and dL in the chunk's rows, split into P parts
     for (int e = tid; e < C * C / 2; e += kBwdThreads) {
       const int r = e / (C / 2), c = 2 * (e % (C / 2)), o = r * kBwdDplLd + c;
       const bool in = r < nrows;
@@ -149,11 +149,17 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
       const float2 l = in ? *reinterpret_cast<const float2*>(dL + r * C + c) : make_float2(0.f, 0.f);
       uint32_t* w = reinterpret_cast<uint32_t*>(dpl + o);
       const int m = C * kBwdDplLd / 2;  // one matrix, in 32-bit words
-      split_pack(c < r ? p.x : 0.f, c + 1 < r ? p.y : 0.f, w[0], w[m]);
-      split_pack(c < r ? l.x : 0.f, c + 1 < r ? l.y : 0.f, w[2 * m], w[3 * m]);
+      uint32_t wp[P], wl[P];
+      split_parts<P>(c < r ? p.x : 0.f, c + 1 < r ? p.y : 0.f, wp);
+      split_parts<P>(c < r ? l.x : 0.f, c + 1 < r ? l.y : 0.f, wl);
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        w[i * m] = wp[i];
+        w[(P + i) * m] = wl[i];
+      }
     }
   }
-  const intra::DplSource<CACHE> dpl_src{dP, dL, dpl, C, nrows};
+  const intra::DplSource<CACHE, P> dpl_src{dP, dL, dpl, C, nrows};
   const grad::Gate gate(a, hv);
   constexpr int QK_EPC = 16 / sizeof(InT);
   const bool q_vec = rows_vec(a.q, QK_EPC, K), k_vec = rows_vec(a.k, QK_EPC, K);

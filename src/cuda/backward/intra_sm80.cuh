@@ -48,22 +48,22 @@ namespace intra {
 // A 16 x 16 A fragment (split hi + lo) of the values f(r, c), r and c the tile's row and column (the layouts in
 // mma.cuh). f returns zero outside the products' range, so the rows past the chunk's end (the workspace and slice
 // rows there are not written) never enter a sum, not even as 0 * NaN.
-template <typename F>
-__device__ __forceinline__ void build_a(FragA (&a)[2], F&& f) {
+template <int P, typename F>
+__device__ __forceinline__ void build_a(FragA (&a)[P], F&& f) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int x = 0; x < 4; ++x) {
     const int r = g + 8 * (x & 1), c = 2 * t + 8 * (x >> 1);
-    split_pack(f(r, c), f(r, c + 1), a[0].x[x], a[1].x[x]);
+    SplitOperand<P>::put(a, x, f(r, c), f(r, c + 1));
   }
 }
 
 // A 16 x 8 B fragment (k x n, split hi + lo) of the values f(k, n).
-template <typename F>
-__device__ __forceinline__ void build_b(FragB (&b)[2], F&& f) {
+template <int P, typename F>
+__device__ __forceinline__ void build_b(FragB (&b)[P], F&& f) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int x = 0; x < 2; ++x) split_pack(f(2 * t + 8 * x, g), f(2 * t + 8 * x + 1, g), b[0].x[x], b[1].x[x]);
+  for (int x = 0; x < 2; ++x) SplitOperand<P>::put(b, x, f(2 * t + 8 * x, g), f(2 * t + 8 * x + 1, g));
 }
 
 // The A fragments of dP and dL blocks (mat 0: dP, 1: dL), hi + lo: rows(a, mat, a0, c0, diag) is A(r, c) =
@@ -71,31 +71,32 @@ __device__ __forceinline__ void build_b(FragB (&b)[2], F&& f) {
 // lower part, and rows past the chunk's end are zero. CACHE = false rebuilds them from the workspace's fp32 matrices;
 // CACHE = true loads the kernel's split copy of those parts (ldmatrix, `kBwdDplLd` row stride). dP and dL themselves
 // stay readable for the running products of blocks that are not factorised.
-template <bool CACHE>
+template <bool CACHE, int P>
 struct DplSource {
+  using Op = SplitOperand<P>;  // P bf16 parts per operand (three for float32 inputs)
   const float *dP, *dL;
-  const __nv_bfloat16* cache;  // [4][C][kBwdDplLd]: dP hi, dP lo, dL hi, dL lo
+  const __nv_bfloat16* cache;  // [2 P][C][kBwdDplLd]: dP's parts, then dL's, largest first
   int C, nrows;
   __device__ __forceinline__ const float* mat(int m) const { return m == 0 ? dP : dL; }
   __device__ __forceinline__ const __nv_bfloat16* part(int m, int hl) const {
-    return cache + (2 * m + hl) * C * kBwdDplLd;
+    return cache + (P * m + hl) * C * kBwdDplLd;
   }
-  __device__ __forceinline__ void rows(FragA (&a)[2], int m, int a0, int c0, bool diag) const {
+  __device__ __forceinline__ void rows(FragA (&a)[P], int m, int a0, int c0, bool diag) const {
     if constexpr (CACHE) {
       const int lane = threadIdx.x & 31, r = a0 + (lane & 7) + ((lane >> 3) & 1) * 8, c = c0 + (lane >> 4) * 8;
-      ldsm_x4(a[0].x, part(m, 0) + r * kBwdDplLd + c);
-      ldsm_x4(a[1].x, part(m, 1) + r * kBwdDplLd + c);
+#pragma unroll
+      for (int i = 0; i < P; ++i) ldsm_x4(a[i].x, part(m, i) + r * kBwdDplLd + c);
     } else {
       const float* M = mat(m);
       const int n = nrows, ld = C;
       build_a(a, [=](int r, int c) { return (!diag || c < r) && a0 + r < n ? M[(a0 + r) * ld + c0 + c] : 0.f; });
     }
   }
-  __device__ __forceinline__ void cols(FragA (&a)[2], int m, int r0, int c0, bool diag) const {
+  __device__ __forceinline__ void cols(FragA (&a)[P], int m, int r0, int c0, bool diag) const {
     if constexpr (CACHE) {
       const int lane = threadIdx.x & 31, k = r0 + (lane & 7) + (lane >> 4) * 8, mm = c0 + ((lane >> 3) & 1) * 8;
-      ldsm_x4_t(a[0].x, part(m, 0) + k * kBwdDplLd + mm);
-      ldsm_x4_t(a[1].x, part(m, 1) + k * kBwdDplLd + mm);
+#pragma unroll
+      for (int i = 0; i < P; ++i) ldsm_x4_t(a[i].x, part(m, i) + k * kBwdDplLd + mm);
     } else {
       const float* M = mat(m);
       const int n = nrows, ld = C;
@@ -109,18 +110,18 @@ __device__ __forceinline__ int acc_row(int x) { return ((threadIdx.x & 31) >> 2)
 __device__ __forceinline__ int acc_col(int x) { return 2 * (threadIdx.x & 3) + (x & 1); }
 
 // The row side of row block `blk`, keys n0..n0+7 of the slice: dqr, dkr, arow, wc and the rows' part of dgp.
-template <bool CACHE>
-__device__ __forceinline__ void row_side(const GradSlice& s, const DplSource<CACHE>& src, int C, int nrows, int blk,
+template <bool CACHE, int P>
+__device__ __forceinline__ void row_side(const GradSlice& s, const DplSource<CACHE, P>& src, int C, int nrows, int blk,
                                          int n0) {
   constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
-  using Op = Operand<float>;
+  using Op = SplitOperand<P>;
   const int a0 = 16 * blk, kc = n0 + acc_col(0);  // the lane's keys kc, kc + 1
   const float *dP = src.dP, *dL = src.dL;
   // Earlier blocks, anchored at this block's start: (dP or dL) times k exp(rho), scaled per key by the totals of the
   // blocks in between.
   float acc_q[4] = {0.f, 0.f, 0.f, 0.f}, acc_k[4] = {0.f, 0.f, 0.f, 0.f}, emid[2] = {1.f, 1.f};
   for (int b = blk - 1; b >= 0; --b) {
-    FragB kb[2];
+    FragB kb[P];
     build_b(kb, [&](int k, int n) {  // k e^rho
       const int o = (16 * b + k) * LDK + n0 + n;
       return s.k[o] * s.er[o];
@@ -129,12 +130,12 @@ __device__ __forceinline__ void row_side(const GradSlice& s, const DplSource<CAC
     pq.zero();
     pk.zero();
     {
-      FragA ap[2];
+      FragA ap[P];
       src.rows(ap, 0, a0, 16 * b, false);
       Op::mma(pq, ap, kb);
     }
     {
-      FragA al[2];
+      FragA al[P];
       src.rows(al, 1, a0, 16 * b, false);
       Op::mma(pk, al, kb);
     }
@@ -155,8 +156,8 @@ __device__ __forceinline__ void row_side(const GradSlice& s, const DplSource<CAC
   // Within the diagonal block (P's diagonal left out).
   float dq_diag[4], dk_diag[4];
   if (factorised_block(s, blk)) {  // es_i sum_{j < i} (dP or dL)[i][j] k_j ies_j
-    FragA ap[2], al[2];
-    FragB kb[2];
+    FragA ap[P], al[P];
+    FragB kb[P];
     src.rows(ap, 0, a0, a0, true);
     src.rows(al, 1, a0, a0, true);
     build_b(kb, [&](int k, int n) {
@@ -204,11 +205,11 @@ __device__ __forceinline__ void row_side(const GradSlice& s, const DplSource<CAC
 }
 
 // The column side of column block `blk`, keys n0..n0+7: dkc, bcol and cpart.
-template <bool CACHE>
-__device__ __forceinline__ void col_side(const GradSlice& s, const DplSource<CACHE>& src, int C, int nrows, int NSUB,
+template <bool CACHE, int P>
+__device__ __forceinline__ void col_side(const GradSlice& s, const DplSource<CACHE, P>& src, int C, int nrows, int NSUB,
                                          int blk, int n0) {
   constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
-  using Op = Operand<float>;
+  using Op = SplitOperand<P>;
   const int c0 = 16 * blk, kc = n0 + acc_col(0);
   const float *dP = src.dP, *dL = src.dL;
   // part += (the dP block's columns) (q ex) + (the dL block's columns) (beta k ex) over rows a0 .. a0 + 15, ex an
@@ -216,8 +217,8 @@ __device__ __forceinline__ void col_side(const GradSlice& s, const DplSource<CAC
   // fact, so that the fragment builds fold their masks.
   auto add_pair_products = [&](FragC& part, int a0, const float* ex, auto diagonal) {
     {
-      FragA ap[2];
-      FragB bq[2];
+      FragA ap[P];
+      FragB bq[P];
       src.cols(ap, 0, a0, c0, decltype(diagonal)::value);
       build_b(bq, [&](int k, int n) {
         const int o = (a0 + k) * LDK + n0 + n;
@@ -226,8 +227,8 @@ __device__ __forceinline__ void col_side(const GradSlice& s, const DplSource<CAC
       Op::mma(part, ap, bq);
     }
     {
-      FragA al[2];
-      FragB bb[2];
+      FragA al[P];
+      FragB bb[P];
       src.cols(al, 1, a0, c0, decltype(diagonal)::value);
       build_b(bb, [&](int k, int n) {
         const int o = (a0 + k) * LDK + n0 + n;
@@ -291,8 +292,8 @@ __device__ __forceinline__ void col_side(const GradSlice& s, const DplSource<CAC
 // The pairs (i', j') of a diagonal block with j' < t <= i' are summed as a running total over t: the pair enters at
 // t = j' + 1 (its column's part, cpart) and leaves at t = i' + 1 (its row's part, which is q_t dq_diag + beta_t k_t
 // dk_diag of the row side), so a pair's term counts only for the tokens it spans.
-template <bool CACHE>
-__device__ __forceinline__ void intra_products(const GradSlice& s, const intra::DplSource<CACHE>& src, int C,
+template <bool CACHE, int P>
+__device__ __forceinline__ void intra_products(const GradSlice& s, const intra::DplSource<CACHE, P>& src, int C,
                                                int nrows, int NSUB) {
   constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
   // A block's row side costs its earlier blocks, its column side its later ones: a warp taking both sides of one

@@ -2,8 +2,8 @@
 // per (chunk, v-head, kBwdStateKeys keys), over the value columns in tiles of kBwdStateCols,
 //   dqg = scale dO S^T,  dkbg = -dbv S^T,  dkg = v_new dH^T   ([C][keys] each, fp32 accumulation)
 // and the state decay's part rowsum(S dH) per key. S is the chunk-start state, dH the gradient of its end state (the
-// reverse scan's), dbv and v_new the WY pass's. The fp32 operands are split hi + lo in the products (three MMAs); a
-// bf16 dO is exact in one bf16 part (two MMAs), an fp16 one is split from its 16-bit values. dqg and dkbg go to the
+// reverse scan's), dbv and v_new the WY pass's. The fp32 operands are split hi + lo in the products (three MMAs; for
+// float32 inputs hi + mid + lo, six); a bf16 dO is exact in one bf16 part (two MMAs), an fp16 one is split from its 16-bit values. dqg and dkbg go to the
 // per-token dq and dk parts (the gradient kernel adds its terms in place), dkg to its own per-token part,
 // rowsum(S dH) per chunk.
 #pragma once
@@ -131,14 +131,16 @@ __global__ void __launch_bounds__(kBwdStateThreads) backward_state_products_kern
   // One MMA step (16 columns) of the three products for the warp's 16 rows x 32 keys.
   auto step = [&](auto mode_tag, const float* st) {
     constexpr BwdStateDo MODE = decltype(mode_tag)::value;
-    using Op = Operand<float>;
+    // float32 inputs: three-part operands (Float3Split), as the backward's other products.
+    using Op = FloatOperand<typename std::conditional<std::is_same<InT, float>::value, Float3Split, float>::type>;
+    constexpr int FP = Op::kSplit;
     const float* sdO = st;
     const float* sdbv = sdO + C * LD;
     const float* svn = sdbv + C * LD;
     const float* sS = svn + C * LD;
     const float* sdH = sS + KB * LD;
     // dO and dbv against S, then v_new against dH: two A operands live at a time.
-    FragA fo[2], fa[2];
+    FragA fo[FP], fa[FP];
     if constexpr (MODE == BwdStateDo::kF32) {
       Op::load_a(fo, sdO, LD, m0, 0);
     } else {
@@ -152,21 +154,21 @@ __global__ void __launch_bounds__(kBwdStateThreads) backward_state_products_kern
           fo[0].x[j] = w[idx[j]];  // exact in bf16: no lo part
         } else {
           const __half* h = reinterpret_cast<const __half*>(w + idx[j]);
-          split_pack(__half2float(h[0]), __half2float(h[1]), fo[0].x[j], fo[1].x[j]);
+          Op::put(fo, j, __half2float(h[0]), __half2float(h[1]));
         }
       }
     }
     Op::load_a(fa, sdbv, LD, m0, 0);
 #pragma unroll
     for (int np = 0; np < 2; ++np) {
-      FragB b[2][2];
+      FragB b[2][FP];
       Op::load_b_nk(b, sS, LD, 0, n0 + 16 * np);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         FragC& q = aq[2 * np + j];
         if constexpr (MODE == BwdStateDo::kBF16) {
-          mma_bf16(q, fo[0], b[j][1]);
-          mma_bf16(q, fo[0], b[j][0]);
+#pragma unroll
+          for (int i = FP - 1; i >= 0; --i) mma_bf16(q, fo[0], b[j][i]);
         } else {
           Op::mma(q, fo, b[j]);
         }
@@ -176,7 +178,7 @@ __global__ void __launch_bounds__(kBwdStateThreads) backward_state_products_kern
     Op::load_a(fa, svn, LD, m0, 0);
 #pragma unroll
     for (int np = 0; np < 2; ++np) {
-      FragB b[2][2];
+      FragB b[2][FP];
       Op::load_b_nk(b, sdH, LD, 0, n0 + 16 * np);
 #pragma unroll
       for (int j = 0; j < 2; ++j) Op::mma(ak[2 * np + j], fa, b[j]);

@@ -120,24 +120,27 @@ constexpr std::size_t bwd_wy_states_sm90_smem() {
 // gate gradient's two sums take a_row's and b_col's bytes after the products); per row: beta and the two norms; per
 // slice: the sub-chunk totals, their exponentials and the products of those before and after a block [4][16] each,
 // gamma and rowsum(S dH); four block flags; the block sum's scratch; per chunk: dt_bias's keys and P's diagonal.
-// With the dP/dL cache (kernel flag CACHE), first the strictly lower parts of dP and dL split hi + lo in bf16,
-// [C][C + 8] each (four matrices), read by ldmatrix for every slice instead of rebuilt from the workspace.
+// With the dP/dL cache (kernel flag CACHE), first the strictly lower parts of dP and dL split into `parts` bf16 parts
+// (hi + lo; hi + mid + lo for float32 inputs), [C][C + 8] each, read by ldmatrix for every slice instead of rebuilt
+// from the workspace.
 constexpr int kBwdGradTiles = 7;
 constexpr int kBwdDplLd = kBwdMaxChunk + 8;  // row stride (elements) of a cached dP/dL matrix: 16-byte rows, no conflicts
 constexpr std::size_t bwd_grad_intra(int C) {
   return std::size_t(7 * C) * kBwdLdk + std::size_t(C) * 3 * kBwdKSlice;
 }
-constexpr std::size_t bwd_grad_dpl_cache(int C) { return std::size_t(4) * C * kBwdDplLd * 2; }
-constexpr std::size_t bwd_grad_smem(int C, bool cache) {
-  return (cache ? bwd_grad_dpl_cache(C) : 0) +
+// The bf16 parts of every float operand of the backward's products: three for float32 inputs, else two.
+constexpr int bwd_split_parts(bool f32_inputs) { return f32_inputs ? 3 : 2; }
+constexpr std::size_t bwd_grad_dpl_cache(int C, int parts) { return std::size_t(2 * parts) * C * kBwdDplLd * 2; }
+constexpr std::size_t bwd_grad_smem(int C, bool cache, int parts) {
+  return (cache ? bwd_grad_dpl_cache(C, parts) : 0) +
          sizeof(float) * (std::size_t(kBwdGradTiles * C) * kBwdLdk + bwd_grad_intra(C) + 3 * std::size_t(C) +
                           18 * kBwdKSlice + kMaxHeadDim + std::size_t(C) + 4 + kBwdRowGroups);
 }
 // The cached form where two of its CTAs fit a multiprocessor (`smem_optin`, a block's most, is the multiprocessor's
 // capacity less the 1 KB every block reserves): fewer instructions at the same occupancy. Elsewhere the uncached form
 // keeps two CTAs (or fits at all).
-constexpr bool bwd_grad_cache_fits(int C, std::size_t smem_optin) {
-  return 2 * (bwd_grad_smem(C, true) + 1024) <= smem_optin + 1024;
+constexpr bool bwd_grad_cache_fits(int C, std::size_t smem_optin, int parts) {
+  return 2 * (bwd_grad_smem(C, true, parts) + 1024) <= smem_optin + 1024;
 }
 
 // The merge of the scan's segments (backward/merge.cuh, cp/merge.cuh's MergeLayout): S [KP][9] and M [KP][33] fp32.
@@ -147,9 +150,10 @@ struct BackwardSmem {
   std::size_t scan = 0, wy = 0, state = 0, grad = 0, merge = 0;
 };
 
-// `scan`: bwd_scan_smem of the planner's scan tile; `grad_cache`: the gradient kernel's form.
-inline BackwardSmem backward_smem(int C, int KP, std::size_t scan, bool grad_cache) {
-  return {scan, bwd_wy_smem(C, KP), bwd_state_smem(C), bwd_grad_smem(C, grad_cache), bwd_merge_smem(KP)};
+// `scan`: bwd_scan_smem of the planner's scan tile; `grad_cache`: the gradient kernel's form; `parts`:
+// bwd_split_parts of the inputs.
+inline BackwardSmem backward_smem(int C, int KP, std::size_t scan, bool grad_cache, int parts) {
+  return {scan, bwd_wy_smem(C, KP), bwd_state_smem(C), bwd_grad_smem(C, grad_cache, parts), bwd_merge_smem(KP)};
 }
 
 }  // namespace kdakit::cuda

@@ -7,8 +7,9 @@
 //   1. Over tiles of kWyCols value columns (three stages): dbv = Tm^T dv_new (to the workspace), dv = beta dbv (final),
 //      beta's value-side gradient rowsum(dbv v), and, summed over the tiles in mma accumulators, the intra-chunk
 //      matrices' gradients dP = scale tril_incl(dO v_new^T) and dL = -tril_strict(dbv v_new^T).
-// Every fp32 operand (h_c, Tm, dv_new, v_new, dbv, and dO unless it is bf16) is split hi + lo with fp32 accumulation:
-// rounded once to bf16 these would carry bf16's error into every gradient. Fixed summation orders, no atomics.
+// Every fp32 operand (h_c, Tm, dv_new, v_new, dbv, and dO unless it is bf16) is split hi + lo with fp32 accumulation
+// (hi + mid + lo for float32 inputs, Elem = Float3Split): rounded once to bf16 these would carry bf16's error into
+// every gradient. Fixed summation orders, no atomics.
 // Rows past the chunk's end and columns past V are zero in every tile (copies zero-fill them).
 #pragma once
 
@@ -21,15 +22,16 @@
 namespace kdakit::cuda {
 namespace wy {
 
-// c += A B with B split hi + lo. A in one part: the lo product first (the forward's order for bf16 w and h_c); A split
-// too: Operand<float>::mma.
-template <int SA>
-__device__ __forceinline__ void mma_b_split(FragC& c, const FragA (&a)[SA], const FragB (&b)[2]) {
+// c += A B with B split into PB parts. A in one part: the smallest B part first (the forward's order for bf16 w and
+// h_c); A split too (SA = PB): the split operand's MMAs (SplitOperand::mma).
+template <int SA, int PB>
+__device__ __forceinline__ void mma_b_split(FragC& c, const FragA (&a)[SA], const FragB (&b)[PB]) {
   if constexpr (SA == 1) {
-    mma_bf16(c, a[0], b[1]);
-    mma_bf16(c, a[0], b[0]);
+#pragma unroll
+    for (int i = PB - 1; i >= 0; --i) mma_bf16(c, a[0], b[i]);
   } else {
-    Operand<float>::mma(c, a, b);
+    static_assert(SA == PB, "A and B split alike");
+    SplitOperand<PB>::mma(c, a, b);
   }
 }
 
@@ -89,14 +91,15 @@ __device__ __forceinline__ float2 pair_float(__nv_bfloat162 x) { return __bfloat
 __device__ __forceinline__ float2 pair_float(__half2 x) { return __half22float2(x); }
 
 template <typename T>
-using Pair = std::conditional_t<std::is_same<T, float>::value, float2,
+using Pair = std::conditional_t<std::is_same<T, float>::value || std::is_same<T, Float3Split>::value, float2,
                                 std::conditional_t<std::is_same<T, __half>::value, __half2, __nv_bfloat162>>;
 
 }  // namespace wy
 
 template <typename InT, typename Elem, int C>
 __global__ void __launch_bounds__(kBwdThreads, 2) backward_wy_kernel(const BackwardArgs a) {
-  constexpr int NV = kWyCols, PC = kWyPassCols, KR = kWyKRows, SE = Operand<Elem>::kSplit;
+  using FOp = FloatOperand<Elem>;  // the fp32 intermediates (h_c, Tm, dv_new, v_new, dbv, dO) split like the inputs
+  constexpr int NV = kWyCols, PC = kWyPassCols, KR = kWyKRows, SE = Operand<Elem>::kSplit, FP = FOp::kSplit;
   constexpr int LDKN = kWyLdKN, LDR = kWyLdRow, LDS = kWyLdS, LDW = kWyLdW, LDT = C + 4;
   constexpr int RB = C / 16, WPR = 8 / RB;          // 16-row blocks; warps per row block (phase 0)
   constexpr int NT0 = PC / WPR / 8;                 // phase 0: n-tiles per warp
@@ -207,8 +210,8 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_wy_kernel(const Backw
             Operand<Elem>::load_a(aw, sw, LDW, 16 * rb0, 16 * ks);
 #pragma unroll
             for (int np = 0; np < NT0 / 2; ++np) {
-              FragB bs[2][2];
-              Operand<float>::load_b_kn(bs, sS, LDS, 16 * ks, n00 + 16 * np);
+              FragB bs[2][FP];
+              FOp::load_b_kn(bs, sS, LDS, 16 * ks, n00 + 16 * np);
               wy::mma_b_split<SE>(acc[2 * np], aw, bs[0]);
               wy::mma_b_split<SE>(acc[2 * np + 1], aw, bs[1]);
             }
@@ -301,11 +304,11 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_wy_kernel(const Backw
       const float* sD = stage_dvn(st);
       for (int ks = rbA; ks < RB; ++ks) {
         if (16 * ks < nrows) {
-          FragA at[2];
-          Operand<float>::load_a_t(at, sTm, LDT, 16 * rbA, 16 * ks);
-          FragB bd[2];
-          Operand<float>::load_b1_kn(bd, sD, LDKN, 16 * ks, 8 * cgA);
-          wy::mma_b_split<2>(acc, at, bd);
+          FragA at[FP];
+          FOp::load_a_t(at, sTm, LDT, 16 * rbA, 16 * ks);
+          FragB bd[FP];
+          FOp::load_b1_kn(bd, sD, LDKN, 16 * ks, 8 * cgA);
+          wy::mma_b_split<FP>(acc, at, bd);
         }
       }
       const InT* sv = stage_v(st);
@@ -339,19 +342,20 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_wy_kernel(const Backw
       int bi, bj;
       block_of(k, bi, bj);
       if (k < NB && 16 * bi < nrows) {
-        FragA fa[2];
-        if ((k & 1) == 0 && do_bf16) {  // bf16 dO enters once: its lo part is zero
+        FragA fa[FP];
+        if ((k & 1) == 0 && do_bf16) {  // bf16 dO enters once: its lower parts are zero
           FragA one[1];
           Operand<__nv_bfloat16>::load_a(one, reinterpret_cast<const __nv_bfloat16*>(sO), LDR, 16 * bi, 0);
           fa[0] = one[0];
-          fa[1] = FragA{};
+#pragma unroll
+          for (int i = 1; i < FP; ++i) fa[i] = FragA{};
         } else {
-          Operand<float>::load_a(fa, (k & 1) == 0 ? sO : sDbv, LDR, 16 * bi, 0);
+          FOp::load_a(fa, (k & 1) == 0 ? sO : sDbv, LDR, 16 * bi, 0);
         }
-        FragB bv[2][2];
-        Operand<float>::load_b_nk(bv, stage_vn(st), LDR, 0, 16 * bj);
-        wy::mma_b_split<2>(acc_b[s][0], fa, bv[0]);
-        wy::mma_b_split<2>(acc_b[s][1], fa, bv[1]);
+        FragB bv[2][FP];
+        FOp::load_b_nk(bv, stage_vn(st), LDR, 0, 16 * bj);
+        wy::mma_b_split<FP>(acc_b[s][0], fa, bv[0]);
+        wy::mma_b_split<FP>(acc_b[s][1], fa, bv[1]);
       }
     }
   }

@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
         }
       }
 #pragma unroll
-      for (int kd = 0; kd < 4; ++kd) acc_to_a<true>(vn[2 * kd], vn[2 * kd + 1], fr[kd]);
+      for (int kd = 0; kd < 4; ++kd) acc_to_parts<2>(vn[2 * kd], vn[2 * kd + 1], fr[kd]);
       sm90::fence_shared_to_async();  // v_new's tiles, for the MMAs after the barrier
     } else if (wg == 1) {  // dbv = Tm^T dv_new (Tm zero above the diagonal and past nrows: the extra k-steps add zeros)
       FragC db[8];
@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
         }
       });
 #pragma unroll
-      for (int kd = 0; kd < 4; ++kd) acc_to_a<true>(db[2 * kd], db[2 * kd + 1], fr[kd]);
+      for (int kd = 0; kd < 4; ++kd) acc_to_parts<2>(db[2 * kd], db[2 * kd + 1], fr[kd]);
 #pragma unroll
       for (int kt = 0; kt < 2; ++kt) {  // dkbg += dbv S^T
         if (kt < KT) mma_group<sm90::Major::K, false>(acc[kt], fr, sS + 2 * kt * TILE);

@@ -18,8 +18,16 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// The storage type of float tiles whose tensor-core products keep float32 precision (three bf16 parts per operand,
+// Operand<Float3Split> in sm80/mma.cuh): the element type of float32 inputs' tiles. Layout-identical to float.
+struct Float3Split {
+  float v;
+};
+
 template <typename T>
 __device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<Float3Split>(Float3Split v) { return v.v; }
 template <>
 __device__ __forceinline__ float to_float<float>(float v) { return v; }
 template <>
@@ -31,6 +39,8 @@ __device__ __forceinline__ float to_float<double>(double v) { return static_cast
 
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ Float3Split from_float<Float3Split>(float v) { return Float3Split{v}; }
 template <>
 __device__ __forceinline__ float from_float<float>(float v) { return v; }
 template <>
@@ -60,6 +70,31 @@ __device__ __forceinline__ void split_pack(float a, float b, uint32_t& hi, uint3
   l2 = __floats2bfloat162_rn(ra, rb);
   hi = *reinterpret_cast<uint32_t*>(&h2);
   lo = *reinterpret_cast<uint32_t*>(&l2);
+}
+
+// Splits two floats into three bf16 pairs: x ~= hi + mid + lo with ~24 significant bits (float32's), for products
+// that must keep float32 precision on bf16 tensor cores (six MMAs, Operand<Float3Split>).
+__device__ __forceinline__ void split3_pack(float a, float b, uint32_t& hi, uint32_t& mid, uint32_t& lo) {
+  const __nv_bfloat16 ha = __float2bfloat16_rn(a), hb = __float2bfloat16_rn(b);
+  const float ra = a - __bfloat162float(ha), rb = b - __bfloat162float(hb);  // exact
+  const __nv_bfloat16 ma = __float2bfloat16_rn(ra), mb = __float2bfloat16_rn(rb);
+  __nv_bfloat162 h2, m2, l2;
+  h2.x = ha;
+  h2.y = hb;
+  m2.x = ma;
+  m2.y = mb;
+  l2 = __floats2bfloat162_rn(ra - __bfloat162float(ma), rb - __bfloat162float(mb));
+  hi = *reinterpret_cast<uint32_t*>(&h2);
+  mid = *reinterpret_cast<uint32_t*>(&m2);
+  lo = *reinterpret_cast<uint32_t*>(&l2);
+}
+
+// x ~= parts[0] + ... + parts[P - 1] for P = 2 (split_pack) or 3 (split3_pack).
+template <int P>
+__device__ __forceinline__ void split_parts(float a, float b, uint32_t (&w)[P]) {
+  static_assert(P == 2 || P == 3, "two or three bf16 parts");
+  if constexpr (P == 2) split_pack(a, b, w[0], w[1]);
+  else split3_pack(a, b, w[0], w[1], w[2]);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -21,6 +21,8 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 to_elem<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <>
 __device__ __forceinline__ float to_elem<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ Float3Split to_elem<Float3Split>(float v) { return Float3Split{v}; }
 
 // Bump allocation of dynamic shared memory with 16-byte alignment.
 struct SmemCursor {

@@ -137,20 +137,20 @@ __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const Recurren
 }
 
 
-// The A fragment (m16 x k16) of accumulator n-tiles c0 (k 0..7) and c1 (k 8..15): split into hi + lo bf16 (a[0],
-// a[1]) or rounded once to bf16 (a[0]).
-template <bool SPLIT>
-__device__ __forceinline__ void acc_to_a(const FragC& c0, const FragC& c1, FragA (&a)[SPLIT ? 2 : 1]) {
-  if constexpr (SPLIT) {
-    split_pack(c0.x[0], c0.x[1], a[0].x[0], a[1].x[0]);
-    split_pack(c0.x[2], c0.x[3], a[0].x[1], a[1].x[1]);
-    split_pack(c1.x[0], c1.x[1], a[0].x[2], a[1].x[2]);
-    split_pack(c1.x[2], c1.x[3], a[0].x[3], a[1].x[3]);
-  } else {
+// The A fragment (m16 x k16) of accumulator n-tiles c0 (k 0..7) and c1 (k 8..15): rounded once to bf16 (P = 1), or
+// split into P bf16 parts (a[0] the largest).
+template <int P>
+__device__ __forceinline__ void acc_to_parts(const FragC& c0, const FragC& c1, FragA (&a)[P]) {
+  if constexpr (P == 1) {
     a[0].x[0] = pack_bf16(c0.x[0], c0.x[1]);
     a[0].x[1] = pack_bf16(c0.x[2], c0.x[3]);
     a[0].x[2] = pack_bf16(c1.x[0], c1.x[1]);
     a[0].x[3] = pack_bf16(c1.x[2], c1.x[3]);
+  } else {
+    SplitOperand<P>::put(a, 0, c0.x[0], c0.x[1]);
+    SplitOperand<P>::put(a, 1, c0.x[2], c0.x[3]);
+    SplitOperand<P>::put(a, 2, c1.x[0], c1.x[1]);
+    SplitOperand<P>::put(a, 3, c1.x[2], c1.x[3]);
   }
 }
 

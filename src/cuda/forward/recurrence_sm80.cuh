@@ -198,10 +198,11 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
   }
 }
 
-// c += A B with A split as hi + lo (the state): bf16 operands B in one part (lo product first), float operands B
-// split too (Operand<float>::mma, three MMAs).
+// c += A B with A split (the state, FloatOperand<Elem>'s parts): bf16 operands B in one part (lo product first), float
+// operands B split alike (Operand<Elem>::mma: three MMAs, six for Float3Split).
 template <typename Elem>
-__device__ __forceinline__ void mma_split_a(FragC& c, const FragA (&a)[2], const FragB (&b)[Operand<Elem>::kSplit]) {
+__device__ __forceinline__ void mma_split_a(FragC& c, const FragA (&a)[FloatOperand<Elem>::kSplit],
+                                            const FragB (&b)[Operand<Elem>::kSplit]) {
   if constexpr (sizeof(Elem) == 2) {
     mma_bf16(c, a[1], b[0]);
     mma_bf16(c, a[0], b[0]);
@@ -218,7 +219,8 @@ struct VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, false> {
   using Op = Operand<Elem>;
   using Stage = RecurrenceStage<Elem>;
   static constexpr int ND = KP / 8, NC = 64 / 8, SP = Op::kSplit;
-  static constexpr bool SPLIT_V = sizeof(Elem) == 4;
+  static constexpr int SA = FloatOperand<Elem>::kSplit;  // the state's parts as an A operand
+  static constexpr int VP = sizeof(Elem) == 4 ? SP : 1;  // v_new's: split like the float operands, or rounded once
 
   __device__ __forceinline__ static void before_handover() {}
 
@@ -227,8 +229,8 @@ struct VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, false> {
                                                         FragC (&o)[NC], Decay&&) {
 #pragma unroll
     for (int kd = 0; kd < KP / 16; ++kd) {
-      FragA sa[2];
-      acc_to_a<true>(S[2 * kd], S[2 * kd + 1], sa);
+      FragA sa[SA];
+      acc_to_parts<SA>(S[2 * kd], S[2 * kd + 1], sa);
       FragB bw[NC / 2][2][SP], bq[NC / 2][2][SP];
 #pragma unroll
       for (int p = 0; p < NC / 2; ++p) {
@@ -260,7 +262,7 @@ struct VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, false> {
     }
   }
 
-  __device__ __forceinline__ static void value_products(FragC (&)[ND], const FragA (&va)[NC / 2][SPLIT_V ? 2 : 1],
+  __device__ __forceinline__ static void value_products(FragC (&)[ND], const FragA (&va)[NC / 2][VP],
                                                         const Stage& t, int NCC, FragC (&o)[NC]) {
     if constexpr (!NO_OUT) {  // o^T += v_new^T Aqk^T (Aqk is zero above the diagonal: source rows <= target rows)
       // The lo tile's products over every source block, then the hi tile's: recurrence_kernel's order, so that both
@@ -290,7 +292,7 @@ struct VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, false> {
   }
 
   template <typename Decay>
-  __device__ __forceinline__ static void update_state(FragC (&S)[ND], const FragA (&va)[NC / 2][SPLIT_V ? 2 : 1],
+  __device__ __forceinline__ static void update_state(FragC (&S)[ND], const FragA (&va)[NC / 2][VP],
                                                       const Stage& t, int NCC, Decay&& decay) {
     decay();
 #pragma unroll

@@ -32,7 +32,7 @@ struct VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, true> {
   static_assert(sizeof(Elem) == 2, "warpgroup MMAs take bf16 operands");
   using L = VrowsLayout<sizeof(Elem), KP, BV, ONE_STAGE, true>;
   using Stage = RecurrenceStage<Elem>;
-  static constexpr int ND = KP / 8, NC = 64 / 8;
+  static constexpr int ND = KP / 8, NC = 64 / 8, VP = 1;  // v_new rounded once to bf16
 
   // The MMAs read the stage through the asynchronous proxy.
   __device__ __forceinline__ static void before_handover() { sm90::fence_shared_to_async(); }
@@ -46,7 +46,7 @@ struct VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, true> {
     FragA sa[KP / 16][2];
 #pragma unroll
     for (int kd = 0; kd < KP / 16; ++kd) {
-      acc_to_a<true>(S[2 * kd], S[2 * kd + 1], sa[kd]);
+      acc_to_parts<2>(S[2 * kd], S[2 * kd + 1], sa[kd]);
       sm90::fence_operands(sa[kd][0]);
       sm90::fence_operands(sa[kd][1]);
     }

@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV>::THREADS)
   constexpr int NT = L::THREADS;
   constexpr int ND = KP / 8;   // state n-tiles (keys)
   constexpr int NC = 64 / 8;   // chunk-row n-tiles at the 64-row maximum
-  constexpr bool SPLIT_V = sizeof(Elem) == 4;  // v_new as an A operand: split (float operands) or rounded once
+  constexpr int VP = Step::VP;  // v_new as an A operand: split like the float operands, or rounded once (bf16)
   const int C = a.chunk;
   RecurrenceTile rt;
   if (!recurrence_tile<KP, BV, SCAN>(a, rt)) return;
@@ -149,9 +149,9 @@ __global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV>::THREADS)
       if (!trans && r < C) u = to_float(t.u[r * L::LDB + r0 + row]);
       vn[nt].x[e] = r < C ? u - vn[nt].x[e] : 0.f;
     });
-    FragA va[NC / 2][SPLIT_V ? 2 : 1];  // v_new^T as A fragments (k = chunk rows)
+    FragA va[NC / 2][VP];  // v_new^T as A fragments (k = chunk rows)
 #pragma unroll
-    for (int kt = 0; kt < NC / 2; ++kt) acc_to_a<SPLIT_V>(vn[2 * kt], vn[2 * kt + 1], va[kt]);
+    for (int kt = 0; kt < NC / 2; ++kt) acc_to_parts<VP>(vn[2 * kt], vn[2 * kt + 1], va[kt]);
     Step::value_products(S, va, t, NCC, o);
 
     const int64_t orow0 = a.out.offset(b, t0 + ci * C, hv);

@@ -306,27 +306,29 @@ TEST(BackwardPlan, SharedMemoryFitsAmpereAdaAndHopper) {
     for (const int chunk : {32, 64}) {
       const BackwardCase c(1, 256, 1, 1, 256, 256, dt, chunk);
       const BackwardLaunch b = c.launch(kH200);
-      const int esz = dt == DType::kBFloat16 ? 2 : 4;
+      const int esz = dt == DType::kBFloat16 ? 2 : 4, parts = cuda::bwd_split_parts(dt == DType::kFloat32);
       EXPECT_EQ(b.smem.scan, cuda::bwd_scan_smem(esz, 256, b.scan_bv, b.scan_ring));
       EXPECT_GE(b.scan_ring, 2) << "Hopper prefetches the scan's tiles";
       EXPECT_EQ(b.smem.wy, cuda::bwd_wy_smem(chunk, 256));
       EXPECT_EQ(b.smem.state, cuda::bwd_state_smem(chunk));
-      EXPECT_TRUE(b.grad_cache) << "two cached gradient CTAs fit a Hopper multiprocessor";
-      EXPECT_EQ(b.smem.grad, cuda::bwd_grad_smem(chunk, true));
+      // Two cached gradient CTAs fit a Hopper multiprocessor, except with float32 inputs' three-part cache at chunk 64.
+      EXPECT_EQ(b.grad_cache, dt != DType::kFloat32 || chunk == 32);
+      EXPECT_EQ(b.grad_cache, cuda::bwd_grad_cache_fits(chunk, kH200.smem_optin, parts));
+      EXPECT_EQ(b.smem.grad, cuda::bwd_grad_smem(chunk, b.grad_cache, parts));
       EXPECT_LE(2 * (b.smem.grad + 1024), kH200.smem_optin + 1024);
       EXPECT_LE(b.smem.scan, kH200.smem_optin);
-      for (const std::size_t s : {b.smem.wy, b.smem.state, cuda::bwd_grad_smem(chunk, false)}) {
+      for (const std::size_t s : {b.smem.wy, b.smem.state, cuda::bwd_grad_smem(chunk, false, parts)}) {
         EXPECT_LE(s, kAda.smem_optin);
       }
       // The A100 and Ada (bf16, where the forward fits both): the cached form where two of it fit a multiprocessor
       // (chunk 32 on the A100), else the uncached one (chunk 64 on both).
       for (const DeviceInfo& dev : {kA100, kAda}) {
         const BackwardLaunch s = BackwardCase(1, 256, 1, 1, 128, 128, DType::kBFloat16, chunk).launch(dev);
-        EXPECT_EQ(s.grad_cache, cuda::bwd_grad_cache_fits(chunk, dev.smem_optin));
-        EXPECT_EQ(s.smem.grad, cuda::bwd_grad_smem(chunk, s.grad_cache));
+        EXPECT_EQ(s.grad_cache, cuda::bwd_grad_cache_fits(chunk, dev.smem_optin, 2));
+        EXPECT_EQ(s.smem.grad, cuda::bwd_grad_smem(chunk, s.grad_cache, 2));
         if (chunk == 64) EXPECT_FALSE(s.grad_cache);
       }
-      EXPECT_LE(2 * (cuda::bwd_grad_smem(chunk, false) + 1024), kA100.smem_optin + 1024);
+      EXPECT_LE(2 * (cuda::bwd_grad_smem(chunk, false, parts) + 1024), kA100.smem_optin + 1024);
       Tuning no_cache;
       no_cache.backward_grad_cache = false;
       EXPECT_FALSE(c.launch(kH200, no_cache).grad_cache);

@@ -1,8 +1,10 @@
 // Warp-level tensor-core helpers (sm_80+): ldmatrix, mma.sync m16n8k16 bf16 with fp32 accumulation, and
-// shared-memory tile GEMMs with two operand precisions:
+// shared-memory tile GEMMs with three operand precisions:
 //   Elem = __nv_bfloat16: operands rounded to bf16 once, one MMA per k-step (fragments by ldmatrix);
 //   Elem = float:         operands split as hi + lo bf16 pairs, three MMAs per k-step (hi*hi + hi*lo + lo*hi),
-//                         about 16 significant bits per operand: the path for float32 and float16 inputs.
+//                         about 16 significant bits per operand: the path for float16 inputs;
+//   Elem = Float3Split:   float storage split as hi + mid + lo, six MMAs per k-step, float32's 24 bits: the
+//                         path for float32 inputs.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
 //   A (16x16, row-major):  a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
@@ -12,6 +14,7 @@
 
 #include <cuda_bf16.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/math.cuh"
 #include "cuda/common/sm80/cp_async.cuh"
@@ -107,72 +110,116 @@ struct Operand<__nv_bfloat16> {
   }
 };
 
-template <>
-struct Operand<float> {
-  static constexpr int kSplit = 2;  // [0] = hi, [1] = lo
-  __device__ __forceinline__ static void pair(const float* p, uint32_t& hi, uint32_t& lo) {
+// Float tiles (float storage) split into P bf16 parts per operand. P = 2: hi + lo, three MMAs (hi*hi + hi*lo +
+// lo*hi), about 16 significant bits. P = 3: hi + mid + lo, six MMAs (every product above 2^-16 of hi*hi), float32's
+// 24 bits. The tile pointer's type only names the storage (float or Float3Split, both 4-byte floats).
+template <int P>
+struct SplitOperand {
+  static constexpr int kSplit = P;
+  template <typename S>
+  __device__ __forceinline__ static const float* f(const S* s) { return reinterpret_cast<const float*>(s); }
+  template <typename S>
+  __device__ __forceinline__ static float* f(S* s) { return reinterpret_cast<float*>(s); }
+  // Two elements into word x of the P fragments' parts.
+  template <typename Frag>
+  __device__ __forceinline__ static void put(Frag (&fr)[P], int x, float v0, float v1) {
+    uint32_t w[P];
+    split_parts<P>(v0, v1, w);
+#pragma unroll
+    for (int i = 0; i < P; ++i) fr[i].x[x] = w[i];
+  }
+  template <typename Frag>
+  __device__ __forceinline__ static void pair(const float* p, Frag (&fr)[P], int x) {
     const float2 v = *reinterpret_cast<const float2*>(p);
-    split_pack(v.x, v.y, hi, lo);
+    put(fr, x, v.x, v.y);
   }
-  __device__ __forceinline__ static void pair_strided(const float* p, int stride, uint32_t& hi, uint32_t& lo) {
-    split_pack(p[0], p[stride], hi, lo);
+  template <typename Frag>
+  __device__ __forceinline__ static void pair_strided(const float* p, int stride, Frag (&fr)[P], int x) {
+    put(fr, x, p[0], p[stride]);
   }
-  __device__ __forceinline__ static void load_a(FragA (&a)[2], const float* s, int ld, int m0, int k0) {
+  template <typename S>
+  __device__ __forceinline__ static void load_a(FragA (&a)[P], const S* st, int ld, int m0, int k0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const float* p = s + (m0 + g) * ld + k0 + 2 * t;
-    pair(p, a[0].x[0], a[1].x[0]);
-    pair(p + 8 * ld, a[0].x[1], a[1].x[1]);
-    pair(p + 8, a[0].x[2], a[1].x[2]);
-    pair(p + 8 * ld + 8, a[0].x[3], a[1].x[3]);
+    const float* p = f(st) + (m0 + g) * ld + k0 + 2 * t;
+    pair(p, a, 0);
+    pair(p + 8 * ld, a, 1);
+    pair(p + 8, a, 2);
+    pair(p + 8 * ld + 8, a, 3);
   }
-  __device__ __forceinline__ static void load_a_t(FragA (&a)[2], const float* s, int ld, int m0, int k0) {
+  template <typename S>
+  __device__ __forceinline__ static void load_a_t(FragA (&a)[P], const S* st, int ld, int m0, int k0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const float* p = s + (k0 + 2 * t) * ld + m0 + g;  // element (m, k) at s[k][m]
-    pair_strided(p, ld, a[0].x[0], a[1].x[0]);
-    pair_strided(p + 8, ld, a[0].x[1], a[1].x[1]);
-    pair_strided(p + 8 * ld, ld, a[0].x[2], a[1].x[2]);
-    pair_strided(p + 8 * ld + 8, ld, a[0].x[3], a[1].x[3]);
+    const float* p = f(st) + (k0 + 2 * t) * ld + m0 + g;  // element (m, k) at s[k][m]
+    pair_strided(p, ld, a, 0);
+    pair_strided(p + 8, ld, a, 1);
+    pair_strided(p + 8 * ld, ld, a, 2);
+    pair_strided(p + 8 * ld + 8, ld, a, 3);
   }
-  __device__ __forceinline__ static void load_b_nk(FragB (&b)[2][2], const float* s, int ld, int k0, int n0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const float* p = s + (n0 + 8 * j + g) * ld + k0 + 2 * t;
-      pair(p, b[j][0].x[0], b[j][1].x[0]);
-      pair(p + 8, b[j][0].x[1], b[j][1].x[1]);
-    }
-  }
-  __device__ __forceinline__ static void load_b1_nk(FragB (&b)[2], const float* s, int ld, int k0, int n0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const float* p = s + (n0 + g) * ld + k0 + 2 * t;
-    pair(p, b[0].x[0], b[1].x[0]);
-    pair(p + 8, b[0].x[1], b[1].x[1]);
-  }
-  __device__ __forceinline__ static void load_b1_kn(FragB (&b)[2], const float* s, int ld, int k0, int n0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const float* p = s + (k0 + 2 * t) * ld + n0 + g;
-    pair_strided(p, ld, b[0].x[0], b[1].x[0]);
-    pair_strided(p + 8 * ld, ld, b[0].x[1], b[1].x[1]);
-  }
-  __device__ __forceinline__ static void load_b_kn(FragB (&b)[2][2], const float* s, int ld, int k0, int n0) {
+  template <typename S>
+  __device__ __forceinline__ static void load_b_nk(FragB (&b)[2][P], const S* st, int ld, int k0, int n0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const float* p = s + (k0 + 2 * t) * ld + n0 + 8 * j + g;
-      pair_strided(p, ld, b[j][0].x[0], b[j][1].x[0]);
-      pair_strided(p + 8 * ld, ld, b[j][0].x[1], b[j][1].x[1]);
+      const float* p = f(st) + (n0 + 8 * j + g) * ld + k0 + 2 * t;
+      pair(p, b[j], 0);
+      pair(p + 8, b[j], 1);
     }
   }
-  __device__ __forceinline__ static void mma(FragC& c, const FragA (&a)[2], const FragB (&b)[2]) {
-    mma_bf16(c, a[1], b[0]);  // small terms first
-    mma_bf16(c, a[0], b[1]);
+  template <typename S>
+  __device__ __forceinline__ static void load_b1_nk(FragB (&b)[P], const S* st, int ld, int k0, int n0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float* p = f(st) + (n0 + g) * ld + k0 + 2 * t;
+    pair(p, b, 0);
+    pair(p + 8, b, 1);
+  }
+  template <typename S>
+  __device__ __forceinline__ static void load_b1_kn(FragB (&b)[P], const S* st, int ld, int k0, int n0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float* p = f(st) + (k0 + 2 * t) * ld + n0 + g;
+    pair_strided(p, ld, b, 0);
+    pair_strided(p + 8 * ld, ld, b, 1);
+  }
+  template <typename S>
+  __device__ __forceinline__ static void load_b_kn(FragB (&b)[2][P], const S* st, int ld, int k0, int n0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float* p = f(st) + (k0 + 2 * t) * ld + n0 + 8 * j + g;
+      pair_strided(p, ld, b[j], 0);
+      pair_strided(p + 8 * ld, ld, b[j], 1);
+    }
+  }
+  // Small terms first. P = 3 leaves out mid*lo, lo*mid and lo*lo (2^-24 of hi*hi and below).
+  __device__ __forceinline__ static void mma(FragC& c, const FragA (&a)[P], const FragB (&b)[P]) {
+    if constexpr (P == 3) {
+      mma_bf16(c, a[2], b[0]);
+      mma_bf16(c, a[0], b[2]);
+      mma_bf16(c, a[1], b[1]);
+      mma_bf16(c, a[1], b[0]);
+      mma_bf16(c, a[0], b[1]);
+    } else {
+      mma_bf16(c, a[1], b[0]);
+      mma_bf16(c, a[0], b[1]);
+    }
     mma_bf16(c, a[0], b[0]);
   }
-  __device__ __forceinline__ static void store(float* p, float v) { *p = v; }
-  __device__ __forceinline__ static void store2(float* p, float v0, float v1) {
-    *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+  template <typename S>
+  __device__ __forceinline__ static void store(S* p, float v) { *f(p) = v; }
+  template <typename S>
+  __device__ __forceinline__ static void store2(S* p, float v0, float v1) {
+    *reinterpret_cast<float2*>(f(p)) = make_float2(v0, v1);
   }
 };
+
+template <>
+struct Operand<float> : SplitOperand<2> {};
+template <>
+struct Operand<Float3Split> : SplitOperand<3> {};
+
+// The operand of float quantities that are not inputs (states, their gradients, intermediate matrices): split like
+// the inputs' element type Elem, with at least two parts.
+template <typename Elem>
+using FloatOperand = Operand<typename std::conditional<std::is_same<Elem, Float3Split>::value, Float3Split, float>::type>;
 
 // acc[mt][nt] += A[m0 + 16 mt, k] * B[k, n0 + 8 nt] over k in [k0, k0 + 16 * ksteps), for the first
 // 2 * np_count n-tiles. A_T: A is stored transposed ([K][M]); B_KN: B is stored [K][N] (otherwise [N][K]).
