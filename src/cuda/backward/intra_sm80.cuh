@@ -45,9 +45,10 @@ __device__ __forceinline__ bool factorised_block(const GradSlice& s, int blk) {
 
 namespace intra {
 
-// A 16 x 16 A fragment (split hi + lo) of the values f(r, c), r and c the tile's row and column (the layouts in
-// mma.cuh). f returns zero outside the products' range, so the rows past the chunk's end (the workspace and slice
-// rows there are not written) never enter a sum, not even as 0 * NaN.
+// A 16 x 16 A fragment (split into P bf16 parts: hi + lo, or hi + mid + lo for float32 inputs) of the values
+// f(r, c), r and c the tile's row and column (the layouts in mma.cuh). f returns zero outside the products' range, so
+// the rows past the chunk's end (the workspace and slice rows there are not written) never enter a sum, not even as
+// 0 * NaN.
 template <int P, typename F>
 __device__ __forceinline__ void build_a(FragA (&a)[P], F&& f) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -58,7 +59,7 @@ __device__ __forceinline__ void build_a(FragA (&a)[P], F&& f) {
   }
 }
 
-// A 16 x 8 B fragment (k x n, split hi + lo) of the values f(k, n).
+// A 16 x 8 B fragment (k x n, split into P parts) of the values f(k, n).
 template <int P, typename F>
 __device__ __forceinline__ void build_b(FragB (&b)[P], F&& f) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -66,14 +67,13 @@ __device__ __forceinline__ void build_b(FragB (&b)[P], F&& f) {
   for (int x = 0; x < 2; ++x) SplitOperand<P>::put(b, x, f(2 * t + 8 * x, g), f(2 * t + 8 * x + 1, g));
 }
 
-// The A fragments of dP and dL blocks (mat 0: dP, 1: dL), hi + lo: rows(a, mat, a0, c0, diag) is A(r, c) =
+// The A fragments of dP and dL blocks (mat 0: dP, 1: dL), in P parts: rows(a, mat, a0, c0, diag) is A(r, c) =
 // M[a0 + r][c0 + c], cols(a, mat, r0, c0, diag) is A(m, k) = M[r0 + k][c0 + m]; a diagonal block keeps its strictly
 // lower part, and rows past the chunk's end are zero. CACHE = false rebuilds them from the workspace's fp32 matrices;
 // CACHE = true loads the kernel's split copy of those parts (ldmatrix, `kBwdDplLd` row stride). dP and dL themselves
 // stay readable for the running products of blocks that are not factorised.
 template <bool CACHE, int P>
 struct DplSource {
-  using Op = SplitOperand<P>;  // P bf16 parts per operand (three for float32 inputs)
   const float *dP, *dL;
   const __nv_bfloat16* cache;  // [2 P][C][kBwdDplLd]: dP's parts, then dL's, largest first
   int C, nrows;

@@ -3,9 +3,9 @@
 //   dqg = scale dO S^T,  dkbg = -dbv S^T,  dkg = v_new dH^T   ([C][keys] each, fp32 accumulation)
 // and the state decay's part rowsum(S dH) per key. S is the chunk-start state, dH the gradient of its end state (the
 // reverse scan's), dbv and v_new the WY pass's. The fp32 operands are split hi + lo in the products (three MMAs; for
-// float32 inputs hi + mid + lo, six); a bf16 dO is exact in one bf16 part (two MMAs), an fp16 one is split from its 16-bit values. dqg and dkbg go to the
-// per-token dq and dk parts (the gradient kernel adds its terms in place), dkg to its own per-token part,
-// rowsum(S dH) per chunk.
+// float32 inputs hi + mid + lo, six); a bf16 dO is exact in one bf16 part, an fp16 one is split from its 16-bit
+// values. dqg and dkbg go to the per-token dq and dk parts (the gradient kernel adds its terms in place), dkg to its
+// own per-token part, rowsum(S dH) per chunk.
 #pragma once
 
 #include "cuda/backward/common.cuh"

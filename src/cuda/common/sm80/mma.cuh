@@ -111,8 +111,8 @@ struct Operand<__nv_bfloat16> {
 };
 
 // Float tiles (float storage) split into P bf16 parts per operand. P = 2: hi + lo, three MMAs (hi*hi + hi*lo +
-// lo*hi), about 16 significant bits. P = 3: hi + mid + lo, six MMAs (every product above 2^-16 of hi*hi), float32's
-// 24 bits. The tile pointer's type only names the storage (float or Float3Split, both 4-byte floats).
+// lo*hi), about 16 significant bits. P = 3: hi + mid + lo, six MMAs (every part product down to 2^-16 of hi*hi),
+// float32's 24 bits. The tile pointer's type only names the storage (float or Float3Split, both 4-byte floats).
 template <int P>
 struct SplitOperand {
   static constexpr int kSplit = P;
