@@ -20,6 +20,9 @@ Training rows (names start with "train"; `--only train` runs just them): one for
 FLA and cuDNN, with each step's time, peak extra memory and gradient differences; `kdakit.bench_train` says what
 each library's step includes.
 
+Gate-dtype rows (`--sections gate-dtype`, not run by default): the forward rows (or those --only names) with g in
+float32 beside bf16 g, kdakit alone, against the extra bytes' time; `kdakit.bench_gate` describes them.
+
 A peer that is not importable, or that raises on a row, leaves a dash in its column; the reason is printed once and
 listed under the tables. Writes DIR/<device>.md (tables), DIR/bench_table.txt, DIR/<device>.png (forward), and with
 decode rows DIR/<device>-decode.json (every row, machine-readable) and DIR/<device>-decode.png. `--list` prints the
@@ -38,7 +41,7 @@ from pathlib import Path
 import torch
 
 import kdakit
-from kdakit import bench_decode, bench_peers, bench_train
+from kdakit import bench_decode, bench_gate, bench_peers, bench_train
 from kdakit.bench_peers import fla_runner, flashkda_runner  # noqa: F401  (tools call them through this module)
 
 FORWARD_SHAPES = [
@@ -133,7 +136,8 @@ def git_commit() -> str:
         return "unknown"
 
 
-SECTIONS = ("forward", "decode", "train")
+SECTIONS = ("forward", "decode", "train", "gate-dtype")
+DEFAULT_SECTIONS = ("forward", "decode", "train")
 
 
 def parse_args(argv=None):
@@ -142,8 +146,8 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=None,
                     help="timed runs per row (default 30 forward, 20 decode and training)")
     ap.add_argument("--only", nargs="*", default=None, help="substrings of row names to run")
-    ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS, metavar="SECTION",
-                    help="sections to run (default all): " + ", ".join(SECTIONS))
+    ap.add_argument("--sections", nargs="+", default=list(DEFAULT_SECTIONS), choices=SECTIONS, metavar="SECTION",
+                    help=f"sections to run (default {', '.join(DEFAULT_SECTIONS)}): {', '.join(SECTIONS)}")
     ap.add_argument("--forms", nargs="+", default=None, choices=bench_decode.FORM_NAMES, metavar="FORM",
                     help="decode forms to run (default all): " + ", ".join(bench_decode.FORM_NAMES))
     ap.add_argument("--list", action="store_true", help="print the selected rows and exit")
@@ -161,6 +165,13 @@ def selected_rows(args):
     forward = [s for s in FORWARD_SHAPES if not args.only or any(o in s[0] for o in args.only)]
     return (forward if "forward" in on else [], bench_decode.decode_cases(args.forms, args.only) if "decode" in on else [],
             bench_train.train_shapes(args.only) if "train" in on else [])
+
+
+def selected_gate_rows(args):
+    """The forward shapes of the gate-dtype section that --only selects (none unless the section is asked for)."""
+    if "gate-dtype" not in args.sections:
+        return []
+    return [s for s in FORWARD_SHAPES if not args.only or any(o in s[0] for o in args.only)]
 
 
 def forward_table(rows, with_flashkda: bool) -> str:
@@ -272,21 +283,25 @@ def notes_list(lines) -> str:
     return "\n".join(f"- {line}" for line in lines)
 
 
-def list_rows(shapes, cases, train) -> None:
+def list_rows(shapes, cases, train, gate=()) -> None:
     for s in shapes:
         print(s[0])
     for c in cases:
         print(f"{c.name}  (pool slots {c.pool_slots}, state {c.state_bytes / 1e6:.1f} MB)")
     for s in train:
         print(s[0])
-    print(f"{len(shapes)} forward rows, {len(cases)} decode rows, {len(train)} training rows")
+    for s in gate:
+        print(f"gate-dtype {s[0]}")
+    print(f"{len(shapes)} forward rows, {len(cases)} decode rows, {len(train)} training rows"
+          + (f", {len(gate)} gate-dtype rows" if gate else ""))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     shapes, cases, train = selected_rows(args)
+    gate = selected_gate_rows(args)
     if args.list:
-        list_rows(shapes, cases, train)
+        list_rows(shapes, cases, train, gate)
         return 0
     if not torch.cuda.is_available() or not kdakit.cuda_available():
         print("kdakit.bench needs a CUDA device and kdakit's CUDA kernels")
@@ -307,6 +322,11 @@ def main(argv=None) -> int:
         print(f"{len(cases)} decode rows")
         decode_rows = bench_decode.run_rows(cases, timer=time_ms, reps=args.reps or 20, bw=bw, flush=flush,
                                             fla=fla_decode, log=lambda s: print(s, flush=True))
+    gate_rows = []
+    if gate:
+        print(f"{len(gate)} gate-dtype rows")
+        gate_rows = bench_gate.run_rows(gate, inputs=forward_inputs, run=run_kdakit, timer=time_ms,
+                                        reps=args.reps or 30, bw=bw, flush=flush, log=lambda s: print(s, flush=True))
     train_rows = []
     if train:
         print(f"{len(train)} training rows")
@@ -317,6 +337,7 @@ def main(argv=None) -> int:
     dev = torch.cuda.get_device_name()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     reps = ", ".join(f"{n} runs ({what})" for n, what, on in ((args.reps or 30, "forward", rows),
+                                                              (args.reps or 30, "gate dtype, 3 rounds", gate_rows),
                                                               (args.reps or 20, "decode", decode_rows),
                                                               (args.reps or 20, "training", train_rows)) if on)
     meta = (f"{dev}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs; torch {torch.__version__}; "
@@ -347,6 +368,10 @@ def main(argv=None) -> int:
             bench_decode.plot(decode_rows, out / f"{device_slug()}-decode.png", f"KDA decode, {dev}")
         except Exception as e:  # noqa: BLE001
             print(f"decode plot skipped: {e}")
+    if gate_rows:
+        gtable = bench_gate.table(gate_rows)
+        md += f"\n{bench_gate.INTRO}\n\n{gtable}\n"
+        text += gtable + "\n"
     if train_rows:
         ttable = bench_train.train_table(train_rows)
         md += f"\n{bench_train.INTRO}\n\n{ttable}\n"

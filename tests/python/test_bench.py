@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import kdakit  # noqa: E402
-from kdakit import bench, bench_decode as bd, bench_peers as bp, bench_train as bt  # noqa: E402
+from kdakit import bench, bench_decode as bd, bench_gate as bg, bench_peers as bp, bench_train as bt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -233,6 +233,53 @@ def test_rows_selected_by_only_and_listed(capsys):
     assert bench.main(["--list", "--only", "T1048576", "train B1 T65536"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out == ["B1 T1048576 H4", "train B1 T65536 H8", "1 forward rows, 0 decode rows, 1 training rows"]
+
+
+def test_gate_dtype_section_only_when_asked(capsys):
+    assert bench.selected_gate_rows(bench.parse_args([])) == []  # not a default section
+    assert "gate-dtype" in bench.SECTIONS and "gate-dtype" not in bench.DEFAULT_SECTIONS
+    rows = bench.selected_gate_rows(bench.parse_args(["--sections", "gate-dtype", "--only", "B8 T4096 H32"]))
+    assert [s[0] for s in rows] == ["B8 T4096 H32"]
+    assert len(bench.selected_gate_rows(bench.parse_args(["--sections", "gate-dtype"]))) == len(bench.FORWARD_SHAPES)
+    assert bench.main(["--list", "--sections", "gate-dtype", "--only", "B1 T512"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "gate-dtype B1 T512 H64", "0 forward rows, 0 decode rows, 0 training rows, 1 gate-dtype rows"]
+
+
+def test_gate_dtype_row_through_kdakit_cpu():
+    """Both calls' outputs through the CPU path (same bits: g widened exactly), each dtype timed in every round, and
+    the verdict from the times the timer gives."""
+    torch.manual_seed(0)
+    B, T, H, K = 1, 70, 2, 16
+    bf = torch.bfloat16
+    x = dict(q=torch.randn(B, T, H, K, dtype=bf), k=torch.randn(B, T, H, K, dtype=bf),
+             v=torch.randn(B, T, H, K, dtype=bf), g=torch.randn(B, T, H, K, dtype=bf),
+             beta=torch.randn(B, T, H, dtype=bf), A_log=torch.log(torch.empty(H).uniform_(1, 16)), dt_bias=torch.randn(H * K), h0=torch.randn(B, H, K, K),
+             cu=None, cu_cpu=None)
+    seen = []
+
+    def timer(fn, reps, flush):
+        fn()
+        seen.append(reps)
+        return 1.0 if len(seen) % 2 else 1.25  # bf16 g 1.0 ms, fp32 g 1.25 ms
+    r = bg.gate_dtype_row("row", x, bench.run_kdakit, timer, 7, 1e12, None)
+    assert seen == [7] * (2 * bg.ROUNDS)
+    assert r["same_bits"] and r["bf16"] == 1.0 and r["fp32"] == 1.25
+    assert r["extra"] == pytest.approx(x["g"].numel() * 2 / 1e12 * 1e3)
+    assert not r["meets"]  # 0.25 ms slower, against nanoseconds of extra bytes
+    assert bg.gate_dtype_row("row", x, bench.run_kdakit, lambda fn, reps, flush: 1.0, 7, 1e12, None)["meets"]
+
+
+def test_gate_dtype_verdict_and_table():
+    ok = bg.verdict(dict(name="A", bf16=1.0, fp32=1.05, extra=0.06, same_bits=True))
+    slow = bg.verdict(dict(name="B", bf16=1.0, fp32=1.2, extra=0.06, same_bits=True))
+    bits = bg.verdict(dict(name="C", bf16=1.0, fp32=0.9, extra=0.06, same_bits=False))
+    assert ok["meets"] and not slow["meets"] and not bits["meets"]
+    assert slow["diff"] == pytest.approx(0.2)
+    t = bg.table([ok, slow, bits])
+    assert t.startswith("1 of 3 rows meet the line.")
+    assert "| A | 1.000 | 1.050 | +0.050 | 0.060 | yes | yes |" in t
+    assert "| C | 1.000 | 0.900 | -0.100 | 0.060 | no | no |" in t
 
 
 def forward_row(name, cudnn=None, fla=2.0):
