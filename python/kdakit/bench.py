@@ -1,14 +1,17 @@
 """Benchmark: kdakit against FLA, NVIDIA cuDNN Frontend's Hopper KDA engine and FlashKDA (each when importable),
 timed in one process on the same inputs.
 
-    python -m kdakit.bench [--out DIR] [--reps N] [--only NAME ...] [--forms FORM ...] [--list]
+    python -m kdakit.bench [--out DIR] [--reps N] [--only NAME ...] [--forms FORM ...] [--sections SECTION ...]
+                           [--recipe fla|zero-bias] [--list]
 
 Forward rows: bf16 inputs, gate (lower_bound -5), L2 norm and beta sigmoid in kernel, float32 initial state in
-and final state out, K = V = 128. Times are medians of CUDA-event timings with the L2 cache flushed before
-every run (--reps: 30 forward, 20 decode and training by default). The floor is the bytes that must move over the copy
-bandwidth measured in this process. The cuDNN column is `cudnn.linear_attention.ops.kimi_delta_attention` pinned to
-its plan "kda_hopper_cuda" (Hopper only; PyPI `nvidia-cudnn-frontend` with `apache-tvm-ffi`), given the same tensors
-in its layouts (`kdakit.bench_peers` describes the call); its output and final state are compared with kdakit's.
+and final state out, K = V = 128. The gate's inputs follow FLA's test recipe, or with --recipe zero-bias a zero
+dt_bias (every key channel then decays fast; RECIPES below says why both matter). Times are medians of CUDA-event
+timings with the L2 cache flushed before every run (--reps: 30 forward, 20 decode and training by default). The
+floor is the bytes that must move over the copy bandwidth measured in this process. The cuDNN column is
+`cudnn.linear_attention.ops.kimi_delta_attention` pinned to its plan "kda_hopper_cuda" (Hopper only; PyPI
+`nvidia-cudnn-frontend` with `apache-tvm-ffi`), given the same tensors in its layouts (`kdakit.bench_peers` describes
+the call); its output and final state are compared with kdakit's.
 
 Decode rows (names start with "decode"; `--only decode` runs just them, `--forms` picks their forms):
 `fused_recurrent_kda_fwd` in place on a state pool, kdakit and FLA in the same form; the forms, the T = 1 and T = 4
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import re
 import statistics
@@ -90,7 +94,23 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (t * 1e-3)
 
 
-def forward_inputs(B, T, H, HV, lens):
+# The gate's input recipes. "fla": FLA's test recipe (A_log = log U(1, 16), dt_bias ~ N(0, 1) per key channel): some
+# channels of most heads barely decay (a large exp(A_log) with a strongly negative bias). "zero-bias": the same with
+# dt_bias = 0, where every channel decays within a few tokens. A library that truncates the state history by the
+# slowest channel's decay (cuDNN's Hopper forward, docs/perf-notes.md) is fast on the second and serial on the first.
+RECIPES = ("fla", "zero-bias")
+
+
+def gate_params(HV, recipe="fla", device="cuda"):
+    """A_log [HV] and dt_bias [HV * D] (float32) of a gate recipe (RECIPES)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe: expected one of {RECIPES}, got {recipe!r}")
+    A_log = torch.log(torch.empty(HV, device=device).uniform_(1, 16))
+    dt_bias = torch.randn(HV * D, device=device) if recipe == "fla" else torch.zeros(HV * D, device=device)
+    return A_log, dt_bias
+
+
+def forward_inputs(B, T, H, HV, lens, recipe="fla"):
     dev = "cuda"
     if lens is not None:
         cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
@@ -101,9 +121,9 @@ def forward_inputs(B, T, H, HV, lens):
     x = dict(
         q=torch.randn(B, T, H, D, device=dev, dtype=bf), k=torch.randn(B, T, H, D, device=dev, dtype=bf),
         v=torch.randn(B, T, HV, D, device=dev, dtype=bf), g=torch.randn(B, T, HV, D, device=dev, dtype=bf),
-        beta=torch.randn(B, T, HV, device=dev, dtype=bf),
-        A_log=torch.log(torch.empty(HV, device=dev).uniform_(1, 16)), dt_bias=torch.randn(HV * D, device=dev),
-        h0=torch.randn(N, HV, D, D, device=dev))
+        beta=torch.randn(B, T, HV, device=dev, dtype=bf))
+    x["A_log"], x["dt_bias"] = gate_params(HV, recipe, dev)
+    x["h0"] = torch.randn(N, HV, D, D, device=dev)
     x["cu"] = cu.to(dev) if cu is not None else None
     x["cu_cpu"] = cu
     floor_bytes = T * B * (2 * H * D * 2 + HV * (3 * D * 2 + 2)) + 2 * N * HV * D * D * 4
@@ -151,6 +171,9 @@ def parse_args(argv=None):
     ap.add_argument("--forms", nargs="+", default=None, choices=bench_decode.FORM_NAMES, metavar="FORM",
                     help="decode forms to run (default all): " + ", ".join(bench_decode.FORM_NAMES))
     ap.add_argument("--list", action="store_true", help="print the selected rows and exit")
+    ap.add_argument("--recipe", default="fla", choices=RECIPES,
+                    help="the gate inputs' recipe of the forward, gate-dtype and training rows (default fla: FLA's "
+                         "test recipe; zero-bias: dt_bias = 0, every key channel decaying fast)")
     ap.add_argument("--commit", default=None,
                     help="commit named in the table header (a copied tree or an installed package has no git history)")
     args = ap.parse_args(argv)
@@ -193,12 +216,12 @@ def forward_table(rows, with_flashkda: bool) -> str:
     return "\n".join(lines)
 
 
-def bench_forward(shapes, reps, bw, flush, fla, fkda, cudnn, notes):
+def bench_forward(shapes, reps, bw, flush, fla, fkda, cudnn, notes, recipe="fla"):
     """Forward rows; `cudnn` is cuDNN's `kimi_delta_attention` or None, `notes` records why a peer did not run."""
     rows = []
     torch.manual_seed(0)
     for name, B, T, H, HV, lens in shapes:
-        x, floor_bytes = forward_inputs(B, T, H, HV, lens)
+        x, floor_bytes = forward_inputs(B, T, H, HV, lens, recipe)
         floor = floor_bytes / bw * 1e3
         with torch.inference_mode():
             t_ours = time_ms(lambda: run_kdakit(x), reps, flush)
@@ -311,11 +334,13 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     flush = flush_buffer()
     notes = bench_peers.Notes(lambda s: print(s, flush=True))
+    inputs = functools.partial(forward_inputs, recipe=args.recipe)
     rows = []
     fkda = None
     if shapes:
         fla, fkda = fla_runner(notes), flashkda_runner(notes)
-        rows = bench_forward(shapes, args.reps or 30, bw, flush, fla, fkda, bench_peers.cudnn_kda(notes), notes)
+        rows = bench_forward(shapes, args.reps or 30, bw, flush, fla, fkda, bench_peers.cudnn_kda(notes), notes,
+                             args.recipe)
     decode_rows = []
     if cases:
         fla_decode = bench_decode.fla_decode_runner()
@@ -325,12 +350,12 @@ def main(argv=None) -> int:
     gate_rows = []
     if gate:
         print(f"{len(gate)} gate-dtype rows")
-        gate_rows = bench_gate.run_rows(gate, inputs=forward_inputs, run=run_kdakit, timer=time_ms,
+        gate_rows = bench_gate.run_rows(gate, inputs=inputs, run=run_kdakit, timer=time_ms,
                                         reps=args.reps or 30, bw=bw, flush=flush, log=lambda s: print(s, flush=True))
     train_rows = []
     if train:
         print(f"{len(train)} training rows")
-        train_rows = bench_train.run_rows(train, inputs=forward_inputs, timer=time_ms, reps=args.reps or 20,
+        train_rows = bench_train.run_rows(train, inputs=inputs, timer=time_ms, reps=args.reps or 20,
                                           flush=flush, notes=notes, rel_diff=rel_diff,
                                           log=lambda s: print(s, flush=True))
 
@@ -342,7 +367,8 @@ def main(argv=None) -> int:
                                                               (args.reps or 20, "training", train_rows)) if on)
     meta = (f"{dev}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs; torch {torch.__version__}; "
             f"kdakit {kdakit.__version__} ({args.commit or git_commit()}); {stamp}; measured copy bandwidth "
-            f"{bw / 1e12:.2f} TB/s (read + write); median of {reps or 'no runs'}, L2 flushed before each.")
+            f"{bw / 1e12:.2f} TB/s (read + write); median of {reps or 'no runs'}, L2 flushed before each; gate "
+            f"recipe {args.recipe}.")
     md = f"# kdakit benchmark: {dev}\n\n{meta}\n"
     text = meta + "\n"
     if rows:

@@ -254,7 +254,8 @@ def test_gate_dtype_row_through_kdakit_cpu():
     bf = torch.bfloat16
     x = dict(q=torch.randn(B, T, H, K, dtype=bf), k=torch.randn(B, T, H, K, dtype=bf),
              v=torch.randn(B, T, H, K, dtype=bf), g=torch.randn(B, T, H, K, dtype=bf),
-             beta=torch.randn(B, T, H, dtype=bf), A_log=torch.log(torch.empty(H).uniform_(1, 16)), dt_bias=torch.randn(H * K), h0=torch.randn(B, H, K, K),
+             beta=torch.randn(B, T, H, dtype=bf), A_log=torch.log(torch.empty(H).uniform_(1, 16)),
+             dt_bias=torch.randn(H * K), h0=torch.randn(B, H, K, K),
              cu=None, cu_cpu=None)
     seen = []
 
@@ -268,6 +269,20 @@ def test_gate_dtype_row_through_kdakit_cpu():
     assert r["extra"] == pytest.approx(x["g"].numel() * 2 / 1e12 * 1e3)
     assert not r["meets"]  # 0.25 ms slower, against nanoseconds of extra bytes
     assert bg.gate_dtype_row("row", x, bench.run_kdakit, lambda fn, reps, flush: 1.0, 7, 1e12, None)["meets"]
+
+
+def test_gate_recipes():
+    torch.manual_seed(0)
+    a_fla, b_fla = bench.gate_params(4, "fla", "cpu")
+    a_zero, b_zero = bench.gate_params(4, "zero-bias", "cpu")
+    assert a_fla.shape == a_zero.shape == (4,) and b_fla.shape == b_zero.shape == (4 * bench.D,)
+    assert ((a_fla.exp() >= 1) & (a_fla.exp() <= 16)).all() and ((a_zero.exp() >= 1) & (a_zero.exp() <= 16)).all()
+    assert b_fla.std() > 0.5 and torch.count_nonzero(b_zero) == 0
+    with pytest.raises(ValueError, match="recipe: expected one of"):
+        bench.gate_params(4, "fast", "cpu")
+    assert bench.parse_args([]).recipe == "fla" and bench.parse_args(["--recipe", "zero-bias"]).recipe == "zero-bias"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--recipe", "fast"])
 
 
 def test_gate_dtype_verdict_and_table():
