@@ -79,7 +79,8 @@ __device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const C
 // their addresses fold into the instructions' offsets instead of taking registers.
 template <typename InT, bool CACHE, int CHUNK>
 __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const BackwardArgs a) {
-  constexpr int LDK = kBwdLdk, KS = kBwdKSlice, C = CHUNK, P = bwd_split_parts(std::is_same<InT, float>::value);
+  constexpr int LDK = kBwdLdk, KS = kBwdKSlice, C = CHUNK, P = FloatOperand<TileElem<InT>>::kSplit;
+  static_assert(P == bwd_split_parts(std::is_same<InT, float>::value), "the planner's dP/dL cache size");
   static_assert(C == 32 || C == 64, "the chunk sizes of the backward");
   const int64_t slot = blockIdx.x;
   const int hv = blockIdx.y;

@@ -67,11 +67,7 @@ void launch_backward_scan(const BackwardArgs& a, const BackwardLaunch& bl, cudaS
 
 template <typename InT>
 void launch_backward(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream_t stream) {
-  // The tiles' element type: bf16 for bf16 inputs; float storage for the others, split into three bf16 parts in the
-  // products for float32 inputs (Float3Split: float32's precision) and two for float16 ones.
-  using Elem = typename std::conditional<
-      std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16,
-      typename std::conditional<std::is_same<InT, float>::value, Float3Split, float>::type>::type;
+  using Elem = TileElem<InT>;
   if (a.N > 0) launch_backward_scan<Elem>(a, bl, stream);
   if (bl.d_initial_only || a.cp_phase == kCpSummary) return;  // d_initial_state is the scan's
   constexpr bool kBf16 = std::is_same<InT, __nv_bfloat16>::value;

@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kBwdStateThreads) backward_state_products_kern
   auto step = [&](auto mode_tag, const float* st) {
     constexpr BwdStateDo MODE = decltype(mode_tag)::value;
     // float32 inputs: three-part operands (Float3Split), as the backward's other products.
-    using Op = FloatOperand<typename std::conditional<std::is_same<InT, float>::value, Float3Split, float>::type>;
+    using Op = FloatOperand<TileElem<InT>>;
     constexpr int FP = Op::kSplit;
     const float* sdO = st;
     const float* sdbv = sdO + C * LD;

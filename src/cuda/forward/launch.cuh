@@ -107,12 +107,7 @@ void launch_recurrence(const ForwardArgs& a, const ForwardConfig& cfg, cudaStrea
 // and the serving form, float32 g beside 16-bit q, k, v, as fast as g of q's dtype.
 template <typename InT>
 void launch_forward(const ForwardArgs& a, const ForwardConfig& cfg, cudaStream_t stream) {
-  // The tiles' element type: bf16 for bf16 inputs; float storage for the others, split into three bf16 parts in the
-  // products for float32 inputs (Float3Split: float32's precision, which the backward's recompute needs) and two for
-  // float16 ones.
-  using Elem = typename std::conditional<
-      std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16,
-      typename std::conditional<std::is_same<InT, float>::value, Float3Split, float>::type>::type;
+  using Elem = TileElem<InT>;  // float32 inputs: three-part operands, as the backward's recompute needs
   chunk_offsets_kernel<<<1, kMaxOrdered, 0, stream>>>(a);
   check_launch("chunk_offsets_kernel");
   if (a.num_slots + a.tail_slots > 0 && a.cp_phase != kCpFinish) {  // kCpFinish: the summary call's prepare

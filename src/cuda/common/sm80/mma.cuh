@@ -216,10 +216,16 @@ struct Operand<float> : SplitOperand<2> {};
 template <>
 struct Operand<Float3Split> : SplitOperand<3> {};
 
+// The tiles' element type for inputs of type InT: bf16 for bf16 inputs; float storage for the others, split into
+// three bf16 parts in the products for float32 inputs (Float3Split: float32's precision) and two for float16 ones.
+template <typename InT>
+using TileElem = std::conditional_t<std::is_same<InT, __nv_bfloat16>::value, __nv_bfloat16,
+                                    std::conditional_t<std::is_same<InT, float>::value, Float3Split, float>>;
+
 // The operand of float quantities that are not inputs (states, their gradients, intermediate matrices): split like
 // the inputs' element type Elem, with at least two parts.
 template <typename Elem>
-using FloatOperand = Operand<typename std::conditional<std::is_same<Elem, Float3Split>::value, Float3Split, float>::type>;
+using FloatOperand = Operand<std::conditional_t<std::is_same<Elem, Float3Split>::value, Float3Split, float>>;
 
 // acc[mt][nt] += A[m0 + 16 mt, k] * B[k, n0 + 8 nt] over k in [k0, k0 + 16 * ksteps), for the first
 // 2 * np_count n-tiles. A_T: A is stored transposed ([K][M]); B_KN: B is stored [K][N] (otherwise [N][K]).
