@@ -177,7 +177,8 @@ constexpr bool kHasOneStage = kVrows<KP, BV, WG> ? VrowsLayout<ELEM_BYTES, KP, B
 
 // Shared memory per block of the prepare kernel and of the recurrence for a configuration, as launched (the same
 // dispatch as launch_forward). ELEM_BYTES: bf16 inputs take bf16 operands (2), float16 and float32 inputs float
-// operands (4, split into hi + lo bf16 in the products). G_BYTES: g's element size (the prepare kernel's raw g rows).
+// operands (4, split into two or three bf16 parts in the products, TileElem). G_BYTES: g's element size (the prepare
+// kernel's raw g rows).
 template <int IN_BYTES, int ELEM_BYTES, int G_BYTES>
 ForwardSmem forward_smem(const ForwardConfig& cfg) {
   ForwardSmem r;
