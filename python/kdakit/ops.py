@@ -28,7 +28,30 @@ def _run_forward(p, q: Tensor) -> None:
     call.run(view(ws), stream_of(q))
 
 
-class SplitForward:
+class _TwoPhaseCall:
+    """The workspace of a call run in two halves (kdakit::CpPhase): the summary half plans it and runs, the finish half
+    must plan the same bytes and runs on them once."""
+
+    def _run_summary(self, call, like: Tensor) -> None:
+        self._ws_size = call.workspace_size
+        self._ws = workspace(self._ws_size, like.device)
+        call.run(view(self._ws), stream_of(like))
+        self._done = False
+
+    def _check_unfinished(self) -> None:
+        if self._done:
+            raise RuntimeError(f"{type(self).__name__}.finish: already run (its workspace holds the summary call's "
+                               "work once)")
+
+    def _run_finish(self, call, like: Tensor) -> None:
+        if call.workspace_size != self._ws_size:
+            raise RuntimeError(f"{type(self).__name__}.finish: the finish call plans a workspace of "
+                               f"{call.workspace_size} bytes, the summary call's was {self._ws_size}")
+        call.run(view(self._ws), stream_of(like))
+        self._done = True
+
+
+class SplitForward(_TwoPhaseCall):
     """A forward of one sequence ([1, T, ...], CUDA) in the two halves of a context-parallel run (kdakit::CpPhase).
 
     Made: the half that does not depend on the start state runs, and `summary` holds the sequence's contribution to
@@ -46,11 +69,7 @@ class SplitForward:
         self.summary = torch.empty((HV, K, V + K), dtype=torch.float32, device=q.device)
         p = self._params(None, _C.CpPhase.SUMMARY)
         p.cp_summary = view(self.summary)
-        call = _C.ForwardCall(p)
-        self._ws_size = call.workspace_size
-        self._ws = workspace(self._ws_size, q.device)
-        call.run(view(self._ws), stream_of(q))
-        self._done = False
+        self._run_summary(_C.ForwardCall(p), q)
 
     def _params(self, h0, phase):
         q, k, v, g, beta, A_log, dt_bias = self._inputs
@@ -64,14 +83,8 @@ class SplitForward:
         return p
 
     def finish(self, h0: Optional[Tensor]) -> Tensor:
-        if self._done:
-            raise RuntimeError("SplitForward.finish: already run (its workspace holds the summary call's work once)")
-        call = _C.ForwardCall(self._params(h0, _C.CpPhase.FINISH))
-        if call.workspace_size != self._ws_size:
-            raise RuntimeError(f"SplitForward.finish: the finish call plans a workspace of {call.workspace_size} "
-                               f"bytes, the summary call's was {self._ws_size}")
-        call.run(view(self._ws), stream_of(self.o))
-        self._done = True
+        self._check_unfinished()
+        self._run_finish(_C.ForwardCall(self._params(h0, _C.CpPhase.FINISH)), self.o)
         return self.o
 
 
@@ -220,7 +233,7 @@ def _(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, d_out, d_fin
     return q.new_empty(state_shape(N, v.shape[2], k.shape[3], v.shape[3], state_v_first), dtype=torch.float32)
 
 
-class SplitBackward:
+class SplitBackward(_TwoPhaseCall):
     """A backward of one sequence ([1, T, ...], CUDA) in the two halves of a context-parallel run
     (kdakit::BackwardParams::cp_phase).
 
@@ -237,11 +250,7 @@ class SplitBackward:
         self.d_initial = q.new_empty((1, HV, K, V), dtype=torch.float32) if want_initial else None
         p = self._params(None, _C.CpPhase.SUMMARY)
         p.d_initial_state = view(self.d_initial)
-        call = _C.BackwardCall(p)
-        self._ws_size = call.workspace_size
-        self._ws = workspace(self._ws_size, q.device)
-        call.run(view(self._ws), stream_of(q))
-        self._done = False
+        self._run_summary(_C.BackwardCall(p), q)
 
     def _params(self, d_final_state, phase):
         p = _backward_params(*self._inputs, None, None, self._d_out, d_final_state, *self._opts, False)
@@ -251,16 +260,10 @@ class SplitBackward:
         return p
 
     def finish(self, d_final_state: Optional[Tensor]):
-        if self._done:
-            raise RuntimeError("SplitBackward.finish: already run (its workspace holds the summary call's work once)")
+        self._check_unfinished()
         p = self._params(d_final_state, _C.CpPhase.FINISH)
         grads = _gradient_outputs(p, *self._inputs, self._initial, self._opts[1])
-        call = _C.BackwardCall(p)
-        if call.workspace_size != self._ws_size:
-            raise RuntimeError(f"SplitBackward.finish: the finish call plans a workspace of {call.workspace_size} "
-                               f"bytes, the summary call's was {self._ws_size}")
-        call.run(view(self._ws), stream_of(self._d_out))
-        self._done = True
+        self._run_finish(_C.BackwardCall(p), self._d_out)
         self._ws = None
         return grads
 
