@@ -167,8 +167,7 @@ __global__ void __launch_bounds__(kBwdStateThreads) backward_state_products_kern
       for (int j = 0; j < 2; ++j) {
         FragC& q = aq[2 * np + j];
         if constexpr (MODE == BwdStateDo::kBF16) {
-#pragma unroll
-          for (int i = FP - 1; i >= 0; --i) mma_bf16(q, fo[0], b[j][i]);
+          mma_split_b<1, FP>(q, {fo[0]}, b[j]);  // dO exact in one part
         } else {
           Op::mma(q, fo, b[j]);
         }

@@ -22,19 +22,6 @@
 namespace kdakit::cuda {
 namespace wy {
 
-// c += A B with B split into PB parts. A in one part: the smallest B part first (the forward's order for bf16 w and
-// h_c); A split too (SA = PB): the split operand's MMAs (SplitOperand::mma).
-template <int SA, int PB>
-__device__ __forceinline__ void mma_b_split(FragC& c, const FragA (&a)[SA], const FragB (&b)[PB]) {
-  if constexpr (SA == 1) {
-#pragma unroll
-    for (int i = PB - 1; i >= 0; --i) mma_bf16(c, a[0], b[i]);
-  } else {
-    static_assert(SA == PB, "A and B split alike");
-    SplitOperand<PB>::mma(c, a, b);
-  }
-}
-
 // Columns [c0, c0 + kWyCols) of C rows of a [C][V] fp32 workspace tile into a tile of row stride ld; rows past nrows
 // and columns past V zero. 16-byte pieces where V allows, else elements.
 template <int C>
@@ -212,8 +199,8 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_wy_kernel(const Backw
             for (int np = 0; np < NT0 / 2; ++np) {
               FragB bs[2][FP];
               FOp::load_b_kn(bs, sS, LDS, 16 * ks, n00 + 16 * np);
-              wy::mma_b_split<SE>(acc[2 * np], aw, bs[0]);
-              wy::mma_b_split<SE>(acc[2 * np + 1], aw, bs[1]);
+              mma_split_b<SE>(acc[2 * np], aw, bs[0]);
+              mma_split_b<SE>(acc[2 * np + 1], aw, bs[1]);
             }
           }
         }
@@ -308,7 +295,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_wy_kernel(const Backw
           FOp::load_a_t(at, sTm, LDT, 16 * rbA, 16 * ks);
           FragB bd[FP];
           FOp::load_b1_kn(bd, sD, LDKN, 16 * ks, 8 * cgA);
-          wy::mma_b_split<FP>(acc, at, bd);
+          mma_split_b<FP>(acc, at, bd);
         }
       }
       const InT* sv = stage_v(st);
@@ -354,8 +341,8 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_wy_kernel(const Backw
         }
         FragB bv[2][FP];
         FOp::load_b_nk(bv, stage_vn(st), LDR, 0, 16 * bj);
-        wy::mma_b_split<FP>(acc_b[s][0], fa, bv[0]);
-        wy::mma_b_split<FP>(acc_b[s][1], fa, bv[1]);
+        mma_split_b<FP>(acc_b[s][0], fa, bv[0]);
+        mma_split_b<FP>(acc_b[s][1], fa, bv[1]);
       }
     }
   }

@@ -216,6 +216,19 @@ struct Operand<float> : SplitOperand<2> {};
 template <>
 struct Operand<Float3Split> : SplitOperand<3> {};
 
+// c += A B with B split into PB parts: A in one part (bf16, exact or rounded once) takes the smallest B part first;
+// A split alike (SA == PB) takes the split operand's MMAs.
+template <int SA, int PB>
+__device__ __forceinline__ void mma_split_b(FragC& c, const FragA (&a)[SA], const FragB (&b)[PB]) {
+  if constexpr (SA == 1) {
+#pragma unroll
+    for (int i = PB - 1; i >= 0; --i) mma_bf16(c, a[0], b[i]);
+  } else {
+    static_assert(SA == PB, "A and B split alike");
+    SplitOperand<PB>::mma(c, a, b);
+  }
+}
+
 // The tiles' element type for inputs of type InT: bf16 for bf16 inputs; float storage for the others, split into
 // three bf16 parts in the products for float32 inputs (Float3Split: float32's precision) and two for float16 ones.
 template <typename InT>
