@@ -5,9 +5,10 @@
 # per GPU model in .deps/triton-autotune/<GPU name>/ (a Triton cache holding only those files), so that one model's
 # tuning never stands in for another's:
 #   triton_cache_seed      TRITON_CACHE_DIR (default /tmp/kdakit-triton) seeded with this GPU model's results
-#   triton_cache_collect   every autotune result of TRITON_CACHE_DIR into $OUT/triton-autotune/<GPU name>/
+#   triton_cache_collect   every autotune result of TRITON_CACHE_DIR into $OUT/triton-autotune.tar (<GPU name>/...):
+#                          one file, since the cache's nested hash folders do not all come back from the machine
 # On the networked machine, `tools/gpu/run triton-cache merge DIR` adds a run's collected results (DIR: the run's
-# files folder, or its triton-autotune/ folder) to .deps/triton-autotune/.
+# files folder holding triton-autotune.tar, the tar itself, or a triton-autotune/ folder) to .deps/triton-autotune/.
 
 triton_gpu_name() {
   command -v nvidia-smi >/dev/null 2>&1 || return 1
@@ -29,14 +30,16 @@ triton_cache_seed() {
 }
 
 triton_cache_collect() {
-  local gpu dest
+  local gpu stage
   gpu=$(triton_gpu_name) || return 0
   [[ -d ${TRITON_CACHE_DIR:-} ]] || return 0
-  dest=$OUT/triton-autotune/$gpu
+  stage=$(mktemp -d)
   (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0) | while IFS= read -r -d '' f; do
-    mkdir -p "$dest/$(dirname "$f")"
-    cp "$TRITON_CACHE_DIR/$f" "$dest/$f"
+    mkdir -p "$stage/$gpu/$(dirname "$f")"
+    cp "$TRITON_CACHE_DIR/$f" "$stage/$gpu/$f"
   done
+  [[ -d $stage/$gpu ]] && tar cf "$OUT/triton-autotune.tar" -C "$stage" "$gpu"
+  rm -rf "$stage"
   return 0
 }
 
@@ -52,6 +55,13 @@ with_triton_cache() {
 # merge DIR: DIR's triton-autotune/<GPU name>/ results (or DIR's own <GPU name>/ folders) into .deps/triton-autotune/.
 triton_cache_merge() {
   local from=${1:?usage: tools/gpu/run triton-cache merge DIR}
+  [[ -f $from/triton-autotune.tar ]] && from=$from/triton-autotune.tar
+  if [[ -f $from ]]; then
+    local unpacked
+    unpacked=$(mktemp -d)
+    tar xf "$from" -C "$unpacked" || return 2
+    from=$unpacked
+  fi
   [[ -d $from/triton-autotune ]] && from=$from/triton-autotune
   [[ -d $from ]] || { echo "triton-cache merge: no folder $from" >&2; return 2; }
   mkdir -p .deps/triton-autotune
