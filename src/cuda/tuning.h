@@ -13,7 +13,7 @@
 //   KDAKIT_DECODE_WARPS=1|2|4           warps per decode CTA
 //   KDAKIT_DECODE_PASSES=1|2|4          column groups per decode CTA tile
 //   KDAKIT_DECODE_GENERAL=<any>         the decode's masked general form, never the whole-tile or one-token forms
-//   KDAKIT_DECODE_PREFETCH=<x>          the staged one-token decode's L2 prefetch distance, CTAs per SM (0: off)
+//   KDAKIT_DECODE_PREFETCH=<x>          the staged decode tiles' L2 prefetch distance, CTAs per SM (0: off)
 //   KDAKIT_DECODE_ONE_STAGED=0|1        the one-token decode's state through shared memory at one pass (or not)
 #pragma once
 

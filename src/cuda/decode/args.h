@@ -137,6 +137,8 @@ struct DecodeArgs : DecodeOneHead, KdaArgs {
   // bf16 [K,V] whole tiles (FULL) at <= 2 passes: every pass's state in registers across tokens, the state outputs
   // staged through the tile and a second buffer of its size after it (DecodeLaunch::kv_regs).
   bool kv_regs = false;
+  // FULL tiles on Hopper: the L2 prefetch distance in CTAs (DecodeOneArgs::prefetch_ahead); 0: none.
+  int prefetch_ahead = 0;
 };
 
 }  // namespace kdakit::cuda

@@ -24,6 +24,30 @@ constexpr int decode_min_blocks() {
   return KP > 128 ? 2 : (!VK && KP == 128 ? 4 : 5);
 }
 
+// The read slot of the CTA a.prefetch_ahead places later in launch order (state_io.cuh, later_place), with its head
+// and V tile, for the L2 prefetch of its staged tile: the slot rules below (1-D or 2-D indices with accepted
+// counts), -1 where that CTA reads no state (past the grid, the padded-tail row, padding ids). has_initial_state is
+// not read: a prefetch of a tile that goes unread costs bandwidth, not results.
+__device__ __forceinline__ int later_read_slot(const DecodeArgs& a, unsigned& hv, unsigned& vt) {
+  unsigned x, y, z;
+  if (!decode_detail::later_place(static_cast<unsigned>(a.prefetch_ahead), x, y, z)) return -1;
+  const int vs = a.one.vt_shift();
+  const int64_t n = int64_t(x >> vs);
+  vt = vs > 0 ? x & ((1u << vs) - 1) : z;
+  hv = y;
+  if (a.tail_cta && n == a.N) return -1;
+  int64_t slot = n;
+  if (a.state_indices.present()) {
+    if (a.idx_2d) {
+      const int64_t acc = a.num_accepted.present() ? a.num_accepted.load_int(n * a.acc_stride) : 1;
+      slot = acc >= 1 && acc <= a.idx_cols ? a.state_indices.load_int(n * a.idx_s0 + (acc - 1) * a.idx_s1) : -1;
+    } else {
+      slot = a.state_indices.load_int(n * a.idx_s0);
+    }
+  }
+  return slot < 0 || slot == a.pad_slot || slot >= a.initial.slots ? -1 : static_cast<int>(slot);
+}
+
 // The kernel takes its arguments by value (not __grid_constant__): ptxas then reads them from the constant bank at
 // every use instead of holding them in registers across the token loop.
 //
@@ -98,6 +122,14 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
     bias_r[i] = use_bias && d < Kc ? a.dt_bias.load(int64_t(hv) * Kc + d) : 0.f;
   }
   const float alog_r = tid == 0 && a.A_log.present() ? a.A_log.load(hv) : 0.f;
+  // FULL tiles: the later CTA's slot, loaded beside this CTA's scalars; its tile's L2 prefetch is issued after this
+  // CTA's own copies (as in the one-token form: one range by thread 0, or one row per key thread).
+  const bool later_one_range = VK || bvt == a.V;
+  int later_slot = -1;
+  unsigned later_hv = 0, later_vt = 0;
+  if constexpr (FULL) {
+    if (a.prefetch_ahead > 0 && tid < (later_one_range ? 1 : KP)) later_slot = later_read_slot(a, later_hv, later_vt);
+  }
   int64_t b64, t064, len64;
   if (tail) {
     b64 = 0;
@@ -220,6 +252,10 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
     }
   }
   const int state_groups = whole ? 1 : stage_state ? passes : 0;
+  if (later_slot >= 0) {
+    prefetch_tile_l2<PoolT, KP>(static_cast<const PoolT*>(a.initial.p) + a.initial.block(later_slot, later_hv), a.V,
+                                later_vt, bvt, later_one_range);
+  }
 
   // The head's gate parameters to shared memory (read by step 2 of every batch).
   float* sBias = reinterpret_cast<float*>(smem + lay.bias);

@@ -187,11 +187,6 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
     if (tuning.decode_one_staged >= 0) {
       cfg.one_staged = passes > 1 || (tuning.decode_one_staged == 1 && one_tile_fits(1));
     }
-    // Staged tiles on Hopper: each CTA prefetches into L2 (bulk prefetch) the tile of the CTA one per SM later in
-    // launch order (Tuning::decode_prefetch CTAs per SM; 0: off; the results do not change).
-    const int ahead_ctas =
-        device.compute_capability >= 90 ? static_cast<int>(tuning.decode_prefetch * sms + 0.5f) : 0;
-    d.prefetch_ahead = std::clamp(ahead_ctas, 0, 0xffff);
   } else if (tuning.decode_passes) {
     passes = tuning.decode_passes;
     while (passes > 1 && smem_of(passes) > kDecodeSmemLimit) passes /= 2;
@@ -221,6 +216,11 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
   d.kv_regs = cfg.full && !cfg.one && !vk && d.bf16_pool && cfg.KP == 128 && longest > 1 && passes <= 2 &&
               kv_regs_smem <= kDecodeSmemLimit && tuning.decode_kv_regs;
   if (d.kv_regs) cfg.smem = kv_regs_smem;
+  // Staged tiles on Hopper (the one-token form's, and the general form's whole tiles): each CTA prefetches into L2
+  // (bulk prefetch) the tile of the CTA one per SM later in launch order (Tuning::decode_prefetch CTAs per SM; 0: off;
+  // the results do not change). Not with kv_regs: those three-CTA launches were slower with it (docs/perf-notes.md).
+  const int ahead_ctas = device.compute_capability >= 90 ? static_cast<int>(tuning.decode_prefetch * sms + 0.5f) : 0;
+  if (cfg.one || (cfg.full && !d.kv_regs)) d.prefetch_ahead = std::clamp(ahead_ctas, 0, 0xffff);
   // The V tiles of one (sequence, head) next to each other in launch order (DecodeLaunch::vt_shift): the CTAs writing
   // one state block then run at the same time (docs/perf-notes.md).
   if (tuning.decode_vt_inner != 0 && d.vtiles > 1 && (d.vtiles & (d.vtiles - 1)) == 0) {

@@ -37,7 +37,7 @@ struct DecodeLaunch {
   // 16-byte vector accesses are aligned for these states / token rows (DecodeArgs' `vec` flags).
   bool initial_vec = false, final_vec = false, token_states_vec = false;
   bool q_vec = false, k_vec = false, v_vec = false, g_vec = false, beta_vec = false;
-  int prefetch_ahead = 0;   // the staged one-token form's L2 prefetch distance in CTAs (0: none)
+  int prefetch_ahead = 0;   // the staged tiles' L2 prefetch distance in CTAs (0: none; one-token and FULL forms)
   // cu_seqlens whose end the host cannot see at T: one more CTA row (blockIdx.x == N) zeroes the outputs of the padded
   // token tail [cu[N], T) (StateIO's padding rule).
   bool tail_cta = false;

@@ -138,6 +138,7 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   a.tb = d.tb;
   a.stage_state = d.stage_state;
   a.kv_regs = d.kv_regs;
+  a.prefetch_ahead = d.prefetch_ahead;
   a.passes = d.cfg.passes;
   a.vtiles = d.vtiles;
   if (d.cfg.one) a.one = one_args(p, pr, d);

@@ -108,6 +108,8 @@ TEST(DecodePlan, VerifyWithTwoDimensionalIndicesTakesTheWholeTileForm) {
   EXPECT_TRUE(d.cfg.full);
   EXPECT_EQ(d.tb, 4);
   EXPECT_LE(d.cfg.smem, cuda::kDecodeSmemLimit);
+  EXPECT_EQ(d.prefetch_ahead, 132);  // whole staged tiles prefetch the later CTA's tile too
+  EXPECT_EQ(c.plan(kA100).prefetch_ahead, 0);
 }
 
 TEST(DecodePlan, Bf16KvVerifyHoldsBothPassesInRegisters) {
@@ -121,6 +123,7 @@ TEST(DecodePlan, Bf16KvVerifyHoldsBothPassesInRegisters) {
   EXPECT_TRUE(d.cfg.full);
   EXPECT_EQ(d.cfg.passes, 2);  // four passes in registers would not fit; pass by pass they were slower
   EXPECT_TRUE(d.kv_regs);
+  EXPECT_EQ(d.prefetch_ahead, 0);  // no L2 prefetch for these three-CTA launches (slower with it)
   const std::size_t tile = cuda::decode_staged_bytes(128, 2, 128, 2);
   EXPECT_EQ(d.cfg.smem, cuda::DecodeSmem(128, 4, 64, 2 * tile).total);  // the tile and the second staging buffer
   EXPECT_EQ(d.vtiles, 2);
@@ -130,6 +133,7 @@ TEST(DecodePlan, Bf16KvVerifyHoldsBothPassesInRegisters) {
   t.decode_vt_inner = 0;
   const DecodeLaunch o = c.plan(kH200, t);
   EXPECT_FALSE(o.kv_regs);
+  EXPECT_EQ(o.prefetch_ahead, 132);  // the whole tile pass by pass prefetches
   EXPECT_EQ(o.cfg.smem, cuda::DecodeSmem(128, 4, 64, tile).total);
   EXPECT_EQ(o.vt_shift, 0);
   // fp32 pools keep the whole tile in shared memory (no registers across tokens), v-first pools their own order.
@@ -179,6 +183,7 @@ TEST(DecodePlan, StatesOfAnotherDtypeOrAlignmentTakeTheMaskedForm) {
   const DecodeLaunch d = c.plan();
   EXPECT_FALSE(d.cfg.full);
   EXPECT_TRUE(d.stage_state);  // the initial state is still staged
+  EXPECT_EQ(d.prefetch_ahead, 0);  // masked tiles: no prefetch
   DecodeCase u(64, 1, 16, 16, DType::kFloat32);
   u.p.state.initial_state = u.p.state.final_state = device_view(DType::kFloat32, {64, 16, 128, 128}, 8);
   const DecodeLaunch e = u.plan();

@@ -156,6 +156,26 @@ def call_on_copy(x, pool, **kw):
     return o, out, p
 
 
+def across_prefetch_distances(monkeypatch, x, pool, **kw):
+    """call_on_copy under the L2 prefetch distances (KDAKIT_DECODE_PREFETCH CTAs per SM ahead): off, the default, one
+    past the end of the grid and a fractional one. Asserts finite outputs and the same bits under each; returns the
+    outputs and pool of the run without prefetch."""
+    from conftest import same_bits
+    results = {}
+    for ahead in ("0", None, "1000", "0.5"):
+        if ahead is None:
+            monkeypatch.delenv("KDAKIT_DECODE_PREFETCH", raising=False)
+        else:
+            monkeypatch.setenv("KDAKIT_DECODE_PREFETCH", ahead)
+        _, out, p = call_on_copy(x, pool, **kw)
+        assert torch.isfinite(out).all()
+        results[ahead] = (out, p)
+    base_out, base_pool = results["0"]
+    for ahead, (out, p) in results.items():
+        assert same_bits(out, base_out) and same_bits(p, base_pool), f"KDAKIT_DECODE_PREFETCH={ahead} changed results"
+    return base_out, base_pool
+
+
 def host_then_general(monkeypatch, run):
     """run() in the form the host chooses, then in the masked general form (KDAKIT_DECODE_GENERAL)."""
     monkeypatch.delenv("KDAKIT_DECODE_GENERAL", raising=False)

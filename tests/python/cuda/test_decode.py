@@ -6,8 +6,8 @@ import torch
 
 import kdakit
 from conftest import rel_rms, same_bits
-from decode_cases import (make, oracle, final, kv, tol, close, make_pool, call, zero_padding, h0_from_pool,
-                          DEV, fla_decode, needs_fla)
+from decode_cases import (make, oracle, final, kv, tol, close, make_pool, call, across_prefetch_distances,
+                          zero_padding, h0_from_pool, DEV, fla_decode, needs_fla)
 
 pytestmark = pytest.mark.skipif(not kdakit.cuda_available(),
                                 reason="no CUDA device, or kdakit was built without CUDA kernels")
@@ -307,6 +307,34 @@ def test_determinism_and_batch_invariance(seed):
     p3 = pool.clone()
     o3, _ = call(alone, p3, state_v_first=True, ssm_state_indices=idx[2:3])
     assert same_bits(o3, o1[:, s]) and same_bits(p3[6], p1[6]), "a sequence's result depends on its batch"
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_prefetch_distance_does_not_change_verify_results(seed, monkeypatch, v_first, pool_dtype):
+    """The whole-tile general form's L2 prefetch of later CTAs' tiles (Hopper; KDAKIT_DECODE_PREFETCH CTAs per SM
+    ahead, 0 off) on verify-and-commit with [N, T] indices and accepted counts: off, the default, a distance past the
+    end of the grid and a fractional one give the same bits, with -1 read slots, out-of-range read slots and -1 write
+    entries among the prefetch targets; slots no token names stay untouched."""
+    N, Tm, H, HV = 96, 4, 2, 8
+    x = make([Tm] * N, H, HV, 128, dtype=torch.bfloat16, fixed=True)
+    P = 2 * N * Tm
+    idx = torch.randperm(P, device=DEV)[:N * Tm].reshape(N, Tm).to(torch.int32)
+    acc = torch.randint(1, Tm + 1, (N,), device=DEV, dtype=torch.int32)
+    rows = torch.arange(N, device=DEV)
+    idx[rows[::7], acc[::7].long() - 1] = -1       # padding sequences: read slot -1
+    idx[rows[3::11], acc[3::11].long() - 1] = P + 7  # read slot outside the pool: padding too, never prefetched
+    idx[5::9, 1] = -1                               # a token's write skipped
+    read = idx[rows, acc.long() - 1]
+    pool = make_pool(P, HV, 128, 128, pool_dtype, v_first, read[(read >= 0) & (read < P)])
+    base_out, base_pool = across_prefetch_distances(monkeypatch, x, pool, state_v_first=v_first,
+                                                    ssm_state_indices=idx, num_accepted_tokens=acc)
+    named = torch.zeros(P, dtype=torch.bool, device=DEV)
+    live = (read >= 0) & (read < P)
+    w = idx[live]
+    named[w[(w >= 0) & (w < P)].long()] = True
+    assert same_bits(base_pool[~named], pool[~named]), "slots no token writes stay untouched"
+    assert torch.equal(base_out[~live], torch.zeros_like(base_out[~live])), "padding sequences output zeros"
 
 
 # (warps, passes, general): general "1" forces the masked form where the whole-tile (FULL) form would run.

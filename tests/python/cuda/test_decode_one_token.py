@@ -6,7 +6,7 @@ import torch
 import kdakit
 from conftest import same_bits
 from decode_cases import (make, oracle, kv, tol, close, make_pool, call, call_on_copy, host_then_general,
-                          zero_padding, h0_from_pool, DEV)
+                          across_prefetch_distances, zero_padding, h0_from_pool, DEV)
 
 pytestmark = pytest.mark.skipif(not kdakit.cuda_available(),
                                 reason="no CUDA device, or kdakit was built without CUDA kernels")
@@ -109,18 +109,8 @@ def test_prefetch_distance_does_not_change_results(seed, monkeypatch, v_first, p
     idx[3::11] = P + 7  # outside the pool: neither read nor written, nor prefetched
     has = torch.rand(N, device=DEV) > 0.2
     pool = make_pool(P, HV, 128, 128, pool_dtype, v_first, idx[(idx >= 0) & (idx < P)])
-    results = {}
-    for ahead in ("0", None, "1000", "0.5"):
-        if ahead is None:
-            monkeypatch.delenv("KDAKIT_DECODE_PREFETCH", raising=False)
-        else:
-            monkeypatch.setenv("KDAKIT_DECODE_PREFETCH", ahead)
-        o, out, p = call_on_copy(x, pool, state_v_first=v_first, ssm_state_indices=idx, has_initial_state=has)
-        assert torch.isfinite(out).all()
-        results[ahead] = (out, p)
-    base_out, base_pool = results["0"]
-    for ahead, (out, p) in results.items():
-        assert same_bits(out, base_out) and same_bits(p, base_pool), f"KDAKIT_DECODE_PREFETCH={ahead} changed results"
+    base_out, base_pool = across_prefetch_distances(monkeypatch, x, pool, state_v_first=v_first,
+                                                    ssm_state_indices=idx, has_initial_state=has)
     untouched = torch.ones(P, dtype=torch.bool, device=DEV)
     untouched[idx[(idx >= 0) & (idx < P)].long()] = False
     assert same_bits(base_pool[untouched], pool[untouched])
