@@ -1,9 +1,18 @@
+import faulthandler
 import os
+import signal
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# A run that hangs can be asked where: with KDAKIT_TEST_STACKS=<file>, SIGUSR1 writes every thread's Python stack to
+# that file and the run goes on (`timeout -s USR1 -k 30 LIMIT pytest ...` asks at LIMIT, then kills 30 s later). A
+# file, since pytest holds the process's stderr while it runs.
+_stacks_file = os.environ.get("KDAKIT_TEST_STACKS")
+if _stacks_file and hasattr(signal, "SIGUSR1"):
+    faulthandler.register(signal.SIGUSR1, file=open(_stacks_file, "w"), all_threads=True)
 
 
 def rel_rms(got, ref) -> float:
