@@ -12,6 +12,11 @@
 #   .deps/peers/            with FLA_GIT=<a git directory of fla-org/flash-linear-attention> (clone or mirror): at its
 #                           HEAD, FLA's package (peers/fla_src/fla), tests/ops/test_kda.py and tests/conftest.py
 #                           (peers/fla_tests), the commit (peers/fla.commit): the peer suite of tools/gpu/run fla-suite
+#   .deps/wheels/flash_kda-*.whl  with FK_GIT=<a git directory of MoonshotAI/FlashKDA>: FlashKDA (the benchmark's
+#                           FlashKDA column) built here for sm_90a against torch $FK_TORCH (default 2.11.0, the GPU
+#                           machine's) in a virtual environment of Python 3.12 ($FK_PYTHON, else python3.12 or
+#                           python3 if 3.12), on the CUTLASS headers above (its pinned submodule is not needed); a few
+#                           minutes on two cores
 #
 # Idempotent: what is already there (same version, same commit) is kept; prints what it put where.
 set -euo pipefail
@@ -96,6 +101,35 @@ if [[ -n ${FLA_GIT:-} ]]; then
   fi
 else
   echo "peers:      FLA_GIT not set: .deps/peers (the fla-suite's test file) left as it is"
+fi
+
+# --- FlashKDA, built from source (a peer of the forward benchmark)
+if [[ -n ${FK_GIT:-} ]]; then
+  fk_commit=$(git --git-dir="$FK_GIT" rev-parse HEAD)
+  if compgen -G ".deps/wheels/flash_kda-*.whl" >/dev/null && [[ $(cat .deps/wheels/flash_kda.commit 2>/dev/null) == "$fk_commit" ]]; then
+    echo "flashkda:   .deps/wheels/flash_kda-*.whl (FlashKDA ${fk_commit:0:12}) already there"
+  else
+    venv=$tmp/fk-venv root=$PWD py=${FK_PYTHON:-}
+    if [[ -z $py ]]; then  # the GPU machine's Python: 3.12
+      for c in python3.12 python3; do
+        if "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then py=$c; break; fi
+      done
+    fi
+    [[ -n $py ]] || { echo "flashkda:   no Python 3.12 found (FK_PYTHON=<python3.12>)" >&2; exit 1; }
+    "$py" -m venv "$venv"
+    "$venv/bin/pip" install -q "torch==${FK_TORCH:-2.11.0}" setuptools wheel ninja numpy
+    mkdir -p "$tmp/fk"
+    git --git-dir="$FK_GIT" archive HEAD | tar -x -C "$tmp/fk"
+    rm -rf "$tmp/fk/cutlass" && mkdir -p "$tmp/fk/cutlass"
+    ln -s "$root/.deps/cutlass/include" "$tmp/fk/cutlass/include"
+    rm -f .deps/wheels/flash_kda-*.whl
+    (cd "$tmp/fk" && FLASH_KDA_CUDA_ARCHS=90a MAX_JOBS=${MAX_JOBS:-2} NVCC_THREADS=2 \
+       "$venv/bin/pip" wheel -q --no-build-isolation --no-deps -w "$root/.deps/wheels" .)
+    echo "$fk_commit" >.deps/wheels/flash_kda.commit
+    echo "flashkda:   .deps/wheels/$(cd .deps/wheels && ls flash_kda-*.whl) <- FlashKDA ${fk_commit:0:12} (sm_90a)"
+  fi
+else
+  echo "flashkda:   FK_GIT not set: no FlashKDA wheel built (the benchmark's FlashKDA column stays empty)"
 fi
 
 echo
