@@ -15,7 +15,6 @@
 //   KDAKIT_DECODE_GENERAL=<any>         the decode's masked general form, never the whole-tile or one-token forms
 //   KDAKIT_DECODE_PREFETCH=<x>          the staged decode tiles' L2 prefetch distance, CTAs per SM (0: off)
 //   KDAKIT_DECODE_ONE_STAGED=0|1        the one-token decode's state through shared memory at one pass (or not)
-//   KDAKIT_DECODE_KV_PASSES=1           bf16 [K,V] multi-token tiles in registers one pass wide (DecodeConfig::kv1)
 #pragma once
 
 namespace kdakit::cuda {
@@ -36,7 +35,6 @@ struct Tuning {
   int decode_one_staged = -1;     // < 0: the planner's choice
   bool decode_kv_regs = true;     // false: bf16 [K,V] multi-token tiles pass by pass (DecodeLaunch::kv_regs)
   int decode_vt_inner = -1;       // 0: V tiles in blockIdx.z; else the planner's choice (DecodeLaunch::vt_shift)
-  int decode_kv_passes = 0;       // 1: DecodeConfig::kv1; else the planner's choice (two passes)
 
   static Tuning from_environment();
 };

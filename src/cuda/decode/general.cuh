@@ -17,10 +17,9 @@ namespace kdakit::cuda {
 // [K,V] tiles at KP = 128 (row-segment offsets beside whole tiles, per-row masks beside others) take up to 128
 // (four CTAs).
 // bf16 [K,V] whole tiles at KP = 128 hold two passes' states across tokens (KV_REGS below): three CTAs (up to 168
-// registers), without spills; KV1, one pass's: five.
-template <typename PoolT, bool VK, int KP, bool FULL, bool KV1>
+// registers), without spills.
+template <typename PoolT, bool VK, int KP, bool FULL>
 constexpr int decode_min_blocks() {
-  if (KV1) return 5;
   if (!VK && KP == 128 && FULL && !std::is_same<PoolT, float>::value) return 3;
   return KP > 128 ? 2 : (!VK && KP == 128 ? 4 : 5);
 }
@@ -59,17 +58,12 @@ __device__ __forceinline__ int later_read_slot(const DecodeArgs& a, unsigned& hv
 // ONE (the host checked DecodeConfig::one's conditions): sequences of one token take decode_one_token, whose
 // register preparation holds q, k and the gate of a thread's keys beside its state (up to 128 registers: four CTAs
 // per SM); longer ones (varlen calls whose lengths the host could not read) the general path.
-//
-// KV1 (DecodeConfig::kv1: bf16 [K,V] whole tiles, KP = 128, a kv_regs launch at one pass): the instance holds only
-// that path, with one pass's state across tokens, so that five CTAs fit an SM.
-template <typename PoolT, bool VK, int KP, bool FULL, bool ONE, bool KV1 = false>
+template <typename PoolT, bool VK, int KP, bool FULL, bool ONE>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
-                                  (ONE ? 4 : decode_min_blocks<PoolT, VK, KP, FULL, KV1>()))
+                                  (ONE ? 4 : decode_min_blocks<PoolT, VK, KP, FULL>()))
     decode_kernel(const DecodeArgs a) {
   using namespace decode_detail;
   static_assert(!(ONE && FULL), "the one-token form falls back to the general (masked) path");
-  static_assert(!KV1 || (FULL && !VK && KP == 128 && !std::is_same<PoolT, float>::value),
-                "KV1: bf16 [K,V] whole tiles at KP = 128");
   if constexpr (ONE) {
     if (a.one.staged() ? decode_one_call<PoolT, VK, KP, true>(a.one)
                          : decode_one_call<PoolT, VK, KP, false>(a.one)) {
@@ -385,16 +379,15 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   // the tile and a second buffer after it, so a buffer is written again only after every thread passed the barrier of
   // the output in between (its reads of the buffer are done). A warp's ldmatrix / stmatrix words are its own.
   if constexpr (ROWS && KP == 128 && !std::is_same<PoolT, float>::value) {
-    if (KV1 || a.kv_regs) {
-      constexpr int KVP = KV1 ? 1 : 2;  // passes held in registers
-      float S2[KVP][NJ][ND];
+    if (a.kv_regs) {
+      float S2[2][NJ][ND];
       const size_t second = size_t(passes) * tile_vecs;  // the second buffer's offset from the tile
       bool buf = false;
       auto load_regs = [&]() {
         cp_async_wait(0);
         __syncthreads();  // the tile's rows were copied by other threads
 #pragma unroll
-        for (int p = 0; p < KVP; ++p) {
+        for (int p = 0; p < 2; ++p) {
           if (p < passes) load_rows_staged<PoolT, KP>(S2[p], sTile + size_t(p) * tile_vecs, nthreads, 0, 1);
         }
       };
@@ -402,12 +395,12 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
         char* sm = sTile + (buf ? second : 0);
         buf = !buf;
 #pragma unroll
-        for (int p = 0; p < KVP; ++p) {
+        for (int p = 0; p < 2; ++p) {
           if (p < passes) stage_block_out<PoolT, KP>(S2[p], sm + size_t(p) * tile_vecs, nthreads, 0, 1);
         }
         __syncthreads();
 #pragma unroll
-        for (int p = 0; p < KVP; ++p) {
+        for (int p = 0; p < 2; ++p) {
           if (p < passes) {
             store_rows<PoolT, KP>(static_cast<PoolT*>(st.p) + block + col0 + p * bv, a.V, sm + size_t(p) * tile_vecs,
                                   nthreads, 1);
@@ -421,7 +414,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
         if (i0 == 0) load_regs();
         for (int tt = 0; tt < nb; ++tt) {
 #pragma unroll
-          for (int p = 0; p < KVP; ++p) {
+          for (int p = 0; p < 2; ++p) {
             if (p < passes) run_token(tt, i0, p * bv, S2[p]);
           }
           if (a.token_states.present()) {
@@ -434,7 +427,6 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
       return;
     }
   }
-  if constexpr (KV1) return;  // the host takes this instance only for kv_regs launches
 
   if (whole) {
     // The whole tile's rows to a state output (CTA-uniform calls): every thread's words are in by the first barrier,

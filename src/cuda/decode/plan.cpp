@@ -211,24 +211,16 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
              !tuning.decode_general;
   // bf16 [K,V] whole tiles of multi-token sequences: every pass's state in registers across tokens (two passes at most),
   // the state outputs staged through twice the tile's shared memory.
-  auto kv_regs_smem = [&](int P) {
-    return DecodeSmem(cfg.KP, d.tb, bv * P, 2 * decode_staged_bytes(cfg.KP, pool_bytes, 32 * warps, P)).total;
-  };
+  const std::size_t kv_regs_smem =
+      DecodeSmem(cfg.KP, d.tb, bv * passes, 2 * decode_staged_bytes(cfg.KP, pool_bytes, 32 * warps, passes)).total;
   d.kv_regs = cfg.full && !cfg.one && !vk && d.bf16_pool && cfg.KP == 128 && longest > 1 && passes <= 2 &&
-              kv_regs_smem(passes) <= kDecodeSmemLimit && tuning.decode_kv_regs;
-  // Tuning::decode_kv_passes = 1: kv_regs one pass wide, in its own kernel instance (one pass's state across tokens,
-  // five CTAs per SM instead of three: DecodeConfig::kv1).
-  if (d.kv_regs && tuning.decode_kv_passes == 1) {
-    cfg.kv1 = true;
-    passes = cfg.passes = 1;
-    d.vtiles = static_cast<int>((pr.V + bv - 1) / bv);
-  }
-  if (d.kv_regs) cfg.smem = kv_regs_smem(passes);
+              kv_regs_smem <= kDecodeSmemLimit && tuning.decode_kv_regs;
+  if (d.kv_regs) cfg.smem = kv_regs_smem;
   // Staged tiles on Hopper (the one-token form's, and the general form's whole tiles): each CTA prefetches into L2
   // (bulk prefetch) the tile of the CTA one per SM later in launch order (Tuning::decode_prefetch CTAs per SM; 0: off;
-  // the results do not change). Not with the three-CTA kv_regs launches: they were slower with it (docs/perf-notes.md).
+  // the results do not change). Not with kv_regs: those three-CTA launches were slower with it (docs/perf-notes.md).
   const int ahead_ctas = device.compute_capability >= 90 ? static_cast<int>(tuning.decode_prefetch * sms + 0.5f) : 0;
-  if (cfg.one || (cfg.full && (!d.kv_regs || cfg.kv1))) d.prefetch_ahead = std::clamp(ahead_ctas, 0, 0xffff);
+  if (cfg.one || (cfg.full && !d.kv_regs)) d.prefetch_ahead = std::clamp(ahead_ctas, 0, 0xffff);
   // The V tiles of one (sequence, head) next to each other in launch order (DecodeLaunch::vt_shift): the CTAs writing
   // one state block then run at the same time (docs/perf-notes.md).
   if (tuning.decode_vt_inner != 0 && d.vtiles > 1 && (d.vtiles & (d.vtiles - 1)) == 0) {

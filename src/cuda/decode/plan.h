@@ -26,7 +26,6 @@ struct DecodeConfig {
                            // dtype, 1-D or no slot indices, no per-token states
   bool one_entry = false;  // ... and every sequence is known to have at most one token: decode_one_kernel
   bool one_staged = false; // the one-token form stages the state in shared memory (always with passes > 1)
-  bool kv1 = false;        // DecodeLaunch::kv_regs at one pass: the kernel instance for it (five CTAs per SM)
 };
 
 struct DecodeLaunch {

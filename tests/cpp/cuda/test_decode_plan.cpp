@@ -136,19 +136,6 @@ TEST(DecodePlan, Bf16KvVerifyHoldsBothPassesInRegisters) {
   EXPECT_EQ(o.prefetch_ahead, 132);  // the whole tile pass by pass prefetches
   EXPECT_EQ(o.cfg.smem, cuda::DecodeSmem(128, 4, 64, tile).total);
   EXPECT_EQ(o.vt_shift, 0);
-  // One pass wide (the override): its own instance (five CTAs per SM), four V tiles side by side, the L2 prefetch.
-  Tuning one;
-  one.decode_kv_passes = 1;
-  const DecodeLaunch k = c.plan(kH200, one);
-  EXPECT_TRUE(k.kv_regs);
-  EXPECT_TRUE(k.cfg.kv1);
-  EXPECT_EQ(k.cfg.passes, 1);
-  EXPECT_EQ(k.vtiles, 4);
-  EXPECT_EQ(k.vt_shift, 2);
-  EXPECT_EQ(k.cfg.smem, cuda::DecodeSmem(128, 4, 32, 2 * cuda::decode_staged_bytes(128, 2, 128, 1)).total);
-  EXPECT_EQ(k.prefetch_ahead, 132);
-  EXPECT_FALSE(d.cfg.kv1);
-  EXPECT_FALSE(DecodeCase(64, 4, 16, 16, DType::kBFloat16).plan(kH200, one).cfg.kv1);  // v-first: no kv_regs
   // fp32 pools keep the whole tile in shared memory (no registers across tokens), v-first pools their own order.
   EXPECT_FALSE(DecodeCase(64, 4, 16, 16).plan().kv_regs);
 }
