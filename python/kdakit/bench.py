@@ -199,9 +199,9 @@ def selected_gate_rows(args):
 
 def forward_table(rows, with_flashkda: bool) -> str:
     head = (f"| shape | floor ms | kdakit ms | FLA ms | kdakit/FLA | kdakit/floor |"
-            f"{' FlashKDA ms |' if with_flashkda else ''} cuDNN ms | kdakit/cuDNN | rel. diff vs FLA |"
-            f" cuDNN rel. diff |")
-    sep = "|---" * (10 if with_flashkda else 9) + "|---|"
+            f"{' FlashKDA ms | kdakit/FlashKDA |' if with_flashkda else ''} cuDNN ms | kdakit/cuDNN |"
+            f" rel. diff vs FLA |{' FlashKDA rel. diff |' if with_flashkda else ''} cuDNN rel. diff |")
+    sep = "|---" * (13 if with_flashkda else 10) + "|"
     lines = [head, sep]
     fmt = bench_decode.fmt
     for r in rows:
@@ -209,9 +209,12 @@ def forward_table(rows, with_flashkda: bool) -> str:
         cells = [r["name"], fmt(r["floor"], "{:.3f}"), fmt(r["ours"], "{:.3f}"), fmt(r["fla"], "{:.3f}"),
                  fmt(ratio, "{:.2f}"), fmt(r["ours"] / r["floor"], "{:.1f}")]
         if with_flashkda:
-            cells.append(fmt(r["fk"], "{:.3f}"))
+            cells += [fmt(r["fk"], "{:.3f}"), fmt(r["ours"] / r["fk"] if r["fk"] else None, "{:.2f}")]
         cells += [fmt(r["cudnn"], "{:.3f}"), fmt(r["ours"] / r["cudnn"] if r["cudnn"] else None, "{:.2f}"),
-                  fmt(r["diff"], "{:.1e}"), fmt(r["cudnn_diff"], "{:.1e}")]
+                  fmt(r["diff"], "{:.1e}")]
+        if with_flashkda:
+            cells.append(fmt(r.get("fk_diff"), "{:.1e}"))
+        cells.append(fmt(r["cudnn_diff"], "{:.1e}"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -232,10 +235,16 @@ def bench_forward(shapes, reps, bw, flush, fla, fkda, cudnn, notes, recipe="fla"
                 fo, fht = fla(x)
                 diff = rel_diff(o, fo)
                 del fo, fht
-            t_fk = None
-            if fkda is not None and lens is None:
+            t_fk = fk_diff = None
+            if fkda is not None and x["v"].shape[2] != x["q"].shape[2]:
+                notes(f"FlashKDA did not run on {name}: it has no GVA (its q, k and v share one head count)")
+            elif fkda is not None:
                 try:
-                    t_fk = time_ms(lambda: fkda(x), reps, flush)
+                    call = fkda(x)
+                    t_fk = time_ms(call, reps, flush)
+                    fo, fht = call()  # its final state is v-first
+                    fk_diff = max(rel_diff(fo, o), rel_diff(fht.transpose(-1, -2), ht))
+                    del call, fo, fht
                 except Exception as e:  # noqa: BLE001
                     notes(f"FlashKDA did not run on {name}: {bench_peers.error_text(e)}")
             t_cd = cd_diff = None
@@ -248,8 +257,8 @@ def bench_forward(shapes, reps, bw, flush, fla, fkda, cudnn, notes, recipe="fla"
                     del call, co, cht
                 except Exception as e:  # noqa: BLE001
                     notes(f"cuDNN did not run on {name}: {bench_peers.error_text(e)}")
-        rows.append(dict(name=name, floor=floor, ours=t_ours, fla=t_fla, fk=t_fk, cudnn=t_cd, diff=diff,
-                         cudnn_diff=cd_diff))
+        rows.append(dict(name=name, floor=floor, ours=t_ours, fla=t_fla, fk=t_fk, fk_diff=fk_diff, cudnn=t_cd,
+                         diff=diff, cudnn_diff=cd_diff))
         fmt = bench_decode.fmt
         print(f"{name:22s} kdakit {t_ours:8.3f} ms  FLA {fmt(t_fla, '{:8.3f}')} ms  cuDNN {fmt(t_cd, '{:8.3f}')} ms  "
               f"floor {floor:6.3f} ms  diff vs FLA {fmt(diff, '{:.1e}')}", flush=True)
@@ -264,12 +273,15 @@ def plot_forward(rows, path, dev) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     xs = range(len(rows))
-    w = 0.27
-    ax.bar([i - w for i in xs], [r["floor"] for r in rows], w, label="floor")
-    ax.bar(list(xs), [r["ours"] for r in rows], w, label="kdakit")
-    ax.bar([i + w for i in xs], [r["fla"] or 0 for r in rows], w, label="FLA")
+    # one bar per series that has a time on some row; a missing time leaves its slot empty
+    series = [("floor", "floor"), ("kdakit", "ours"), ("FLA", "fla"), ("FlashKDA", "fk"), ("cuDNN", "cudnn")]
+    series = [(label, key) for label, key in series if any(r.get(key) for r in rows)]
+    w = 0.8 / len(series)
+    for j, (label, key) in enumerate(series):
+        off = (j - (len(series) - 1) / 2) * w
+        ax.bar([i + off for i in xs], [r.get(key) or 0 for r in rows], w, label=label)
     ax.set_xticks(list(xs))
     ax.set_xticklabels([r["name"] for r in rows], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("ms")

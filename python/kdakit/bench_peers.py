@@ -80,23 +80,30 @@ def fla_runner(log=print):
 # --- FlashKDA --------------------------------------------------------------------------------------------------------
 
 def flashkda_runner(log=print):
-    """A forward runner for FlashKDA (`flash_kda.fwd`, dense batches only), or None where it is missing."""
+    """FlashKDA's forward (`flash_kda.fwd`: dense batches, or varlen with int64 cu_seqlens; no GVA) as `prepare(x)`,
+    which makes the layout copies it needs (a v-first h0, int64 cu_seqlens) and returns the call to time; None where
+    FlashKDA is missing."""
     try:
         import flash_kda  # noqa: F401
     except Exception as e:  # noqa: BLE001
         log(f"FlashKDA not importable: {error_text(e)}")
         return None
 
-    def run(x):
+    def prepare(x):
         B, T, H, _ = x["q"].shape
         out = torch.empty_like(x["v"])
         final = torch.empty_like(x["h0"])
-        flash_kda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, out, A_log=x["A_log"],
-                      dt_bias=x["dt_bias"].view(H, D), lower_bound=LOWER_BOUND,
-                      initial_state=x["h0"].transpose(-1, -2).contiguous(), final_state=final,
-                      cu_seqlens=None if x["cu"] is None else x["cu"].long())
-        return out, final
-    return run
+        h0 = x["h0"].transpose(-1, -2).contiguous()
+        cu = None if x["cu"] is None else x["cu"].long()
+        dt_bias = x["dt_bias"].view(H, D)
+
+        def call():
+            flash_kda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, out, A_log=x["A_log"],
+                          dt_bias=dt_bias, lower_bound=LOWER_BOUND, initial_state=h0, final_state=final,
+                          cu_seqlens=cu)
+            return out, final
+        return call
+    return prepare
 
 
 # --- cuDNN -----------------------------------------------------------------------------------------------------------

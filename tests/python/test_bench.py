@@ -297,9 +297,9 @@ def test_gate_dtype_verdict_and_table():
     assert "| C | 1.000 | 0.900 | -0.100 | 0.060 | no | no |" in t
 
 
-def forward_row(name, cudnn=None, fla=2.0):
-    return dict(name=name, floor=0.5, ours=1.0, fla=fla, fk=None, cudnn=cudnn, diff=1e-3 if fla else None,
-                cudnn_diff=2e-3 if cudnn else None)
+def forward_row(name, cudnn=None, fla=2.0, fk=None):
+    return dict(name=name, floor=0.5, ours=1.0, fla=fla, fk=fk, fk_diff=3e-3 if fk else None, cudnn=cudnn,
+                diff=1e-3 if fla else None, cudnn_diff=2e-3 if cudnn else None)
 
 
 def test_forward_table_has_the_cudnn_columns():
@@ -309,8 +309,13 @@ def test_forward_table_has_the_cudnn_columns():
     assert all(line.count("|") == 11 for line in table)
     assert table[2] == "| B1 T2048 H12 | 0.500 | 1.000 | 2.000 | 0.50 | 2.0 | 0.800 | 1.25 | 1.0e-03 | 2.0e-03 |"
     assert table[3] == "| GVA | 0.500 | 1.000 | — | — | 2.0 | — | — | — | — |"
-    with_fk = bench.forward_table([forward_row("B1", cudnn=0.8)], with_flashkda=True).splitlines()
-    assert all(line.count("|") == 12 for line in with_fk) and "| FlashKDA ms | cuDNN ms |" in with_fk[0]
+    with_fk = bench.forward_table([forward_row("B1", cudnn=0.8, fk=1.25), forward_row("GVA", cudnn=0.8)],
+                                  with_flashkda=True).splitlines()
+    assert all(line.count("|") == 14 for line in with_fk)
+    assert "| FlashKDA ms | kdakit/FlashKDA | cuDNN ms |" in with_fk[0]
+    assert with_fk[0].endswith("| rel. diff vs FLA | FlashKDA rel. diff | cuDNN rel. diff |")
+    assert with_fk[2] == "| B1 | 0.500 | 1.000 | 2.000 | 0.50 | 2.0 | 1.250 | 0.80 | 0.800 | 1.25 | 1.0e-03 | 3.0e-03 | 2.0e-03 |"
+    assert with_fk[3] == "| GVA | 0.500 | 1.000 | 2.000 | 0.50 | 2.0 | — | — | 0.800 | 1.25 | 1.0e-03 | — | 2.0e-03 |"
 
 
 def test_notes_log_each_reason_once():
@@ -451,6 +456,13 @@ def test_training_plot_takes_missing_peers(tmp_path):
     row = dict(name="train A", kdakit_ms=3.0, FLA_ms=None, cuDNN_ms=2.0, kdakit_mib=10.0, FLA_mib=None, cuDNN_mib=None)
     path = tmp_path / "train.png"
     bt.plot([row, dict(row, name="train B", kdakit_ms=None)], path, "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_forward_plot_takes_missing_peers(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "forward.png"
+    bench.plot_forward([forward_row("A", cudnn=0.8, fk=1.2), forward_row("GVA", fla=None)], path, "dev")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
