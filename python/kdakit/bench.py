@@ -11,7 +11,9 @@ timings with the L2 cache flushed before every run (--reps: 30 forward, 20 decod
 floor is the bytes that must move over the copy bandwidth measured in this process. The cuDNN column is
 `cudnn.linear_attention.ops.kimi_delta_attention` pinned to its plan "kda_hopper_cuda" (Hopper only; PyPI
 `nvidia-cudnn-frontend` with `apache-tvm-ffi`), given the same tensors in its layouts (`kdakit.bench_peers` describes
-the call); its output and final state are compared with kdakit's.
+the call); its output and final state are compared with kdakit's. The FlashKDA column is `flash_kda.fwd` (dense and
+varlen batches; it has no GVA) with its v-first h0 copied before the timed calls; its output and final state are
+compared with kdakit's too.
 
 Decode rows (names start with "decode"; `--only decode` runs just them, `--forms` picks their forms):
 `fused_recurrent_kda_fwd` in place on a state pool, kdakit and FLA in the same form; the forms, the T = 1 and T = 4
