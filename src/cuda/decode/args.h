@@ -48,8 +48,9 @@ struct DecodeOneArgs {
   uint16_t idx_stride = 0, cu_stride = 0, has_stride = 0;
   uint16_t group = 1;
   uint16_t V = 0;
-  // Staged form on Hopper: each CTA prefetches into L2 the state tile of the CTA this many places later in launch
-  // order (one per SM: a CTA that starts soon after this one, docs/perf-notes.md); 0: no prefetch.
+  // Staged tiles on Hopper (this form's, and the general form's whole tiles): each CTA prefetches into L2 the state
+  // tile of the CTA this many places later in launch order (one per SM: a CTA that starts soon after this one,
+  // docs/perf-notes.md); 0: no prefetch. Set for every launch, as the tiling below.
   uint16_t prefetch_ahead = 0;
   int8_t group_shift = -1;
   // Bits 0-3: the column groups per CTA tile (passes; > 1: the state is staged in shared memory by cp.async). Bits
@@ -137,8 +138,6 @@ struct DecodeArgs : DecodeOneHead, KdaArgs {
   // bf16 [K,V] whole tiles (FULL) at <= 2 passes: every pass's state in registers across tokens, the state outputs
   // staged through the tile and a second buffer of its size after it (DecodeLaunch::kv_regs).
   bool kv_regs = false;
-  // FULL tiles on Hopper: the L2 prefetch distance in CTAs (DecodeOneArgs::prefetch_ahead); 0: none.
-  int prefetch_ahead = 0;
 };
 
 }  // namespace kdakit::cuda

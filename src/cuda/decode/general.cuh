@@ -24,13 +24,13 @@ constexpr int decode_min_blocks() {
   return KP > 128 ? 2 : (!VK && KP == 128 ? 4 : 5);
 }
 
-// The read slot of the CTA a.prefetch_ahead places later in launch order (state_io.cuh, later_place), with its head
+// The read slot of the CTA a.one.prefetch_ahead places later in launch order (state_io.cuh, later_place), with its head
 // and V tile, for the L2 prefetch of its staged tile: the slot rules below (1-D or 2-D indices with accepted
 // counts), -1 where that CTA reads no state (past the grid, the padded-tail row, padding ids). has_initial_state is
 // not read: a prefetch of a tile that goes unread costs bandwidth, not results.
 __device__ __forceinline__ int later_read_slot(const DecodeArgs& a, unsigned& hv, unsigned& vt) {
   unsigned x, y, z;
-  if (!decode_detail::later_place(static_cast<unsigned>(a.prefetch_ahead), x, y, z)) return -1;
+  if (!decode_detail::later_place(a.one.prefetch_ahead, x, y, z)) return -1;
   const int vs = a.one.vt_shift();
   const int64_t n = int64_t(x >> vs);
   vt = vs > 0 ? x & ((1u << vs) - 1) : z;
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   int later_slot = -1;
   unsigned later_hv = 0, later_vt = 0;
   if constexpr (FULL) {
-    if (a.prefetch_ahead > 0 && tid < (later_one_range ? 1 : KP)) later_slot = later_read_slot(a, later_hv, later_vt);
+    if (a.one.prefetch_ahead > 0 && tid < (later_one_range ? 1 : KP)) later_slot = later_read_slot(a, later_hv, later_vt);
   }
   int64_t b64, t064, len64;
   if (tail) {

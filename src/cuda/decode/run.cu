@@ -92,7 +92,6 @@ DecodeOneArgs one_args(const DecodeParams& p, const Problem& pr, const DecodeLau
                                  (p.in.beta.ndim == 4 ? DecodeOneArgs::kBetaCols : 0) |
                                  (!varlen && pr.T == 1 ? DecodeOneArgs::kOneToken : 0) |
                                  (d.cfg.one_staged ? DecodeOneArgs::kStaged : 0));
-  o.prefetch_ahead = static_cast<uint16_t>(d.prefetch_ahead);
   return o;
 }
 
@@ -138,11 +137,11 @@ void decode(const DecodeParams& p, const detail::Plan& plan, void* stream) {
   a.tb = d.tb;
   a.stage_state = d.stage_state;
   a.kv_regs = d.kv_regs;
-  a.prefetch_ahead = d.prefetch_ahead;
   a.passes = d.cfg.passes;
   a.vtiles = d.vtiles;
   if (d.cfg.one) a.one = one_args(p, pr, d);
   a.one.set_tiling(d.cfg.passes, d.vt_shift);
+  a.one.prefetch_ahead = static_cast<uint16_t>(d.prefetch_ahead);  // <= 0xffff (plan)
 
   DeviceGuard guard(pr.device_index);
   auto s = static_cast<cudaStream_t>(stream);
