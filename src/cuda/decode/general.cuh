@@ -350,15 +350,17 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
     __syncthreads();
   };
 
-  // 3. Token tt of the batch from i0 on the state of the pass starting at tile column pc0, in registers.
-  auto run_token = [&](int tt, int i0, int pc0, float (&S)[NJ][ND]) {
+  // 3. Token tt of the batch from i0 on the state of the pass starting at tile column pc0, in registers. Its outputs
+  // replace the token's v in shared memory (each column's v is read only by the lanes of its column group, one warp,
+  // before the __syncwarp) and leave by `flush_outputs`: one dtype dispatch per element a CTA stores, instead of the
+  // store code in every thread's token step.
+  auto run_token = [&](int tt, int pc0, float (&S)[NJ][ND]) {
     const float* q = sQ + tt * KP;
     const float* k = sK + tt * KP;
     const float* g = sA + tt * KP;
-    const int64_t s = int64_t(t0) + i0 + tt;
     const float qk = sQK[tt];
-    const int64_t orow = a.out.offset(b, s, hv) + col0;
-    float e[NJ];
+    float e[NJ], out[NJ];
+    bool leader = false;
     token_sums_e<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
       const int d = key_unit<L, VK>(dd, lane);
       load_keys<GRP>(g + d, g_);
@@ -367,10 +369,26 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
     }, [&](int jj, float pk, float pq, bool store) {
       const int cl = pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane);  // column within the CTA tile
       const float ej = sB[tt * bvt + cl] * (sV[tt * bvt + cl] - pk);
-      if (store && col0 + cl < Vc) a.out.store(orow + cl, fmaf(qk, ej, pq));
+      out[jj] = fmaf(qk, ej, pq);
+      leader = store;
       return ej;
     }, e);
+    __syncwarp();  // the column group's reads of v are done
+    if (leader) {
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj) sV[tt * bvt + pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane)] = out[jj];
+    }
     token_update<L>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_unit<L, VK>(dd, lane), k_); }, e);
+  };
+  // The outputs of tokens [i0, i0 + nb) in tile columns [c_lo, c_hi) from shared memory (CTA-uniform calls: the
+  // barrier publishes every warp's outputs; the next batch's staging waits at its own barrier).
+  auto flush_outputs = [&](int i0, int nb, int c_lo, int c_hi) {
+    __syncthreads();
+    const int ncols = c_hi - c_lo;
+    for (int el = tid; el < nb * ncols; el += nthreads) {
+      const int r = el / ncols, c = c_lo + (el - r * ncols);
+      if (col0 + c < Vc) a.out.store(a.out.offset(b, int64_t(t0) + i0 + r, hv) + col0 + c, sV[r * bvt + c]);
+    }
   };
 
   // bf16 [K,V] whole tiles of longer sequences at one or two passes (KV_REGS, the host's choice): tokens outer, every
@@ -415,13 +433,14 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
         for (int tt = 0; tt < nb; ++tt) {
 #pragma unroll
           for (int p = 0; p < 2; ++p) {
-            if (p < passes) run_token(tt, i0, p * bv, S2[p]);
+            if (p < passes) run_token(tt, p * bv, S2[p]);
           }
           if (a.token_states.present()) {
             store_regs(a.token_states, a.token_states.block(int64_t(b) * a.T + t0 + i0 + tt, hv));
           }
           if (per_token && sSlot[tt] >= 0) store_regs(a.final_state, a.final_state.block(sSlot[tt], hv));
         }
+        flush_outputs(i0, nb, 0, bvt);
       }
       if (wslot >= 0) store_regs(a.final_state, a.final_state.block(wslot, hv));
       return;
@@ -447,7 +466,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
         for (int p = 0; p < passes; ++p) {
           float S[NJ][ND];
           load_rows_staged<PoolT, KP>(S, sTile, nthreads, p, passes);
-          run_token(tt, i0, p * bv, S);
+          run_token(tt, p * bv, S);
           stage_block_out<PoolT, KP>(S, sTile, nthreads, p, passes);
         }
         if (a.token_states.present()) {
@@ -455,6 +474,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
         }
         if (per_token && sSlot[tt] >= 0) store_tile(a.final_state, a.final_state.block(sSlot[tt], hv), true);
       }
+      flush_outputs(i0, nb, 0, bvt);
     }
     if (len <= 0) cp_async_wait(0);  // an empty sequence: its final state is its initial state
     if (wslot >= 0) store_tile(a.final_state, a.final_state.block(wslot, hv), false);
@@ -508,7 +528,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
       if (p == 0 || multi) prepare(i0, nb, p == 0 && i0 == 0);
       if (i0 == 0) load_pass();  // after the first preparation, which the state's copies overlap
       for (int tt = 0; tt < nb; ++tt) {
-        run_token(tt, i0, pc0, S);
+        run_token(tt, pc0, S);
         if (a.token_states.present()) {
           store_state(a.token_states, a.token_states.block(int64_t(b) * a.T + t0 + i0 + tt, hv), pc0, pl, S);
         }
@@ -517,9 +537,11 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
           if (w >= 0) store_state(a.final_state, a.final_state.block(w, hv), pc0, pl, S);
         }
       }
+      if (multi) flush_outputs(i0, nb, pc0, pc0 + bv);  // this batch is staged again for the next pass
     }
     if (wslot >= 0) store_state(a.final_state, a.final_state.block(wslot, hv), pc0, pl, S);
   }
+  if (!multi && len > 0) flush_outputs(0, len, 0, bvt);  // one batch, prepared once for every pass
 }
 
 }  // namespace kdakit::cuda
