@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
     __syncthreads();
   };
 
-  // 3. Token tt of the batch from i0 on the state of the pass starting at tile column pc0, in registers. Its outputs
+  // 3. Token tt of the staged batch on the state of the pass starting at tile column pc0, in registers. Its outputs
   // replace the token's v in shared memory (each column's v is read only by the lanes of its column group, one warp,
   // before the __syncwarp) and leave by `flush_outputs`: one dtype dispatch per element a CTA stores, instead of the
   // store code in every thread's token step.
