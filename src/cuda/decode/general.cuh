@@ -350,15 +350,18 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
     __syncthreads();
   };
 
-  // 3. Token tt of the staged batch on the state of the pass starting at tile column pc0, in registers. Its outputs
-  // replace the token's v in shared memory (each column's v is read only by the lanes of its column group, one warp,
-  // before the __syncwarp) and leave by `flush_outputs`: one dtype dispatch per element a CTA stores, instead of the
-  // store code in every thread's token step.
-  auto run_token = [&](int tt, int pc0, float (&S)[NJ][ND]) {
+  // 3. Token tt of the batch from i0 on the state of the pass starting at tile column pc0, in registers. With a bf16
+  // pool (OUT_VIA_SMEM) its outputs replace the token's v in shared memory (each column's v is read only by the lanes
+  // of its column group, one warp, before the __syncwarp) and leave by `flush_outputs`, one dtype dispatch per element
+  // a CTA stores instead of the store code in every thread's token step; an fp32 pool's token step has spare issue
+  // slots, and there the direct store is faster (docs/perf-notes.md).
+  constexpr bool OUT_VIA_SMEM = !std::is_same<PoolT, float>::value;
+  auto run_token = [&](int tt, int i0, int pc0, float (&S)[NJ][ND]) {
     const float* q = sQ + tt * KP;
     const float* k = sK + tt * KP;
     const float* g = sA + tt * KP;
     const float qk = sQK[tt];
+    const int64_t orow = OUT_VIA_SMEM ? 0 : a.out.offset(b, int64_t(t0) + i0 + tt, hv) + col0;
     float e[NJ], out[NJ];
     bool leader = false;
     token_sums_e<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
@@ -369,20 +372,27 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
     }, [&](int jj, float pk, float pq, bool store) {
       const int cl = pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane);  // column within the CTA tile
       const float ej = sB[tt * bvt + cl] * (sV[tt * bvt + cl] - pk);
-      out[jj] = fmaf(qk, ej, pq);
-      leader = store;
+      if constexpr (OUT_VIA_SMEM) {
+        out[jj] = fmaf(qk, ej, pq);
+        leader = store;
+      } else if (store && col0 + cl < Vc) {
+        a.out.store(orow + cl, fmaf(qk, ej, pq));
+      }
       return ej;
     }, e);
-    __syncwarp();  // the column group's reads of v are done
-    if (leader) {
+    if constexpr (OUT_VIA_SMEM) {
+      __syncwarp();  // the column group's reads of v are done
+      if (leader) {
 #pragma unroll
-      for (int jj = 0; jj < NJ; ++jj) sV[tt * bvt + pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane)] = out[jj];
+        for (int jj = 0; jj < NJ; ++jj) sV[tt * bvt + pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane)] = out[jj];
+      }
     }
     token_update<L>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_unit<L, VK>(dd, lane), k_); }, e);
   };
-  // The outputs of tokens [i0, i0 + nb) in tile columns [c_lo, c_hi) from shared memory (CTA-uniform calls: the
-  // barrier publishes every warp's outputs; the next batch's staging waits at its own barrier).
+  // With OUT_VIA_SMEM, the outputs of tokens [i0, i0 + nb) in tile columns [c_lo, c_hi) from shared memory
+  // (CTA-uniform calls: the barrier publishes every warp's outputs; the next batch's staging waits at its own barrier).
   auto flush_outputs = [&](int i0, int nb, int c_lo, int c_hi) {
+    if constexpr (!OUT_VIA_SMEM) return;
     __syncthreads();
     const int ncols = c_hi - c_lo;
     for (int el = tid; el < nb * ncols; el += nthreads) {
@@ -433,7 +443,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
         for (int tt = 0; tt < nb; ++tt) {
 #pragma unroll
           for (int p = 0; p < 2; ++p) {
-            if (p < passes) run_token(tt, p * bv, S2[p]);
+            if (p < passes) run_token(tt, i0, p * bv, S2[p]);
           }
           if (a.token_states.present()) {
             store_regs(a.token_states, a.token_states.block(int64_t(b) * a.T + t0 + i0 + tt, hv));
@@ -466,7 +476,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
         for (int p = 0; p < passes; ++p) {
           float S[NJ][ND];
           load_rows_staged<PoolT, KP>(S, sTile, nthreads, p, passes);
-          run_token(tt, p * bv, S);
+          run_token(tt, i0, p * bv, S);
           stage_block_out<PoolT, KP>(S, sTile, nthreads, p, passes);
         }
         if (a.token_states.present()) {
@@ -528,7 +538,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
       if (p == 0 || multi) prepare(i0, nb, p == 0 && i0 == 0);
       if (i0 == 0) load_pass();  // after the first preparation, which the state's copies overlap
       for (int tt = 0; tt < nb; ++tt) {
-        run_token(tt, pc0, S);
+        run_token(tt, i0, pc0, S);
         if (a.token_states.present()) {
           store_state(a.token_states, a.token_states.block(int64_t(b) * a.T + t0 + i0 + tt, hv), pc0, pl, S);
         }
