@@ -9,7 +9,8 @@
 //   KDAKIT_SMEM_LIMIT=<bytes>           shared memory per block below the device's (emulates smaller GPUs)
 //   KDAKIT_BACKWARD_GRAD_CACHE=0        the backward's gradient kernel without its dP/dL cache (A/B timing)
 //   KDAKIT_BACKWARD_WGMMA=0             no warpgroup MMAs in the backward on Hopper (A/B timing)
-//   KDAKIT_BACKWARD_SCAN_BV=16|32|64    the reverse scan's value tile, where it fits (else the planner's choice)
+//   KDAKIT_BACKWARD_SCAN_BV=16|32|64    the reverse scan's value tile, where it fits (else the planner's choice;
+//                                       16 and 32 take the mma.sync scan on Hopper)
 //   KDAKIT_DECODE_WARPS=1|2|4           warps per decode CTA
 //   KDAKIT_DECODE_PASSES=1|2|4          column groups per decode CTA tile
 //   KDAKIT_DECODE_GENERAL=<any>         the decode's masked general form, never the whole-tile or one-token forms

@@ -13,6 +13,7 @@
 #include "cuda/backward/plan.h"
 #include "cuda/backward/reduce.cuh"
 #include "cuda/backward/scan_sm80.cuh"
+#include "cuda/backward/scan_sm90.cuh"
 #include "cuda/backward/state_products_sm80.cuh"
 #include "cuda/backward/wy_sm80.cuh"
 #include "cuda/backward/wy_states_sm90.cuh"
@@ -21,46 +22,61 @@
 
 namespace kdakit::cuda {
 
-// The reverse state scan at the plan's value tile (BwdScanLayout) and stage ring; where the forward cut sequences,
+// The reverse state scan: on warpgroup MMAs where the plan says (scan_sm90), else at the plan's value tile
+// (BwdScanLayout) and stage ring; where the forward cut sequences,
 // first the segments' pre-scan and the merge of their end gradients (a context-parallel finish: the merge alone, on
 // its summary's pre-scan).
 template <typename Elem>
 void launch_backward_scan(const BackwardArgs& a, const BackwardLaunch& bl, cudaStream_t stream) {
-  auto launch = [&](auto kp_tag, auto bv_tag) {
-    constexpr int KP = decltype(kp_tag)::value, BV = decltype(bv_tag)::value;
-    const int64_t rows = a.seg_offsets != nullptr ? a.num_segments : a.N;  // CTA rows: segments, or sequences
-    if (a.seg_offsets != nullptr) {
-      if (a.cp_phase != kCpFinish) {
-        auto pre = backward_scan_kernel<Elem, KP, BV, true>;
-        set_dynamic_smem(reinterpret_cast<const void*>(pre), bl.smem.scan);
-        const int64_t ctas = rows * a.HV * (bl.vt + KP / BV);
-        pre<<<static_cast<unsigned>(ctas), bwd_scan_threads(BV), bl.smem.scan, stream>>>(a, bl.scan_ring);
-        check_launch("backward_scan_kernel (segment scan)");
-      }
-      // A summary without d_initial: the pre-scan alone (its merge and scan serve d_initial only).
-      if (a.cp_phase == kCpSummary && !a.d_initial.present()) return;
-      static_assert(bwd_merge_smem(KP) == MergeLayout<KP>::bytes(), "the planner's merge size");
-      auto merge = backward_segment_merge_kernel<KP>;
-      set_dynamic_smem(reinterpret_cast<const void*>(merge), bl.smem.merge);
-      const int64_t mctas = int64_t(a.N) * a.HV * ((a.V + kMergeCols - 1) / kMergeCols);
-      merge<<<static_cast<unsigned>(mctas), kMergeThreads, bl.smem.merge, stream>>>(a);
-      check_launch("backward_segment_merge_kernel");
-    }
-    // A cut summary: d_initial is the merge's fold.
-    if (a.cp_phase == kCpSummary && (a.seg_offsets != nullptr || !a.d_initial.present())) return;
-    auto scan = backward_scan_kernel<Elem, KP, BV>;
-    set_dynamic_smem(reinterpret_cast<const void*>(scan), bl.smem.scan);
-    const int64_t ctas = rows * a.HV * bl.vt;
-    scan<<<static_cast<unsigned>(ctas), bwd_scan_threads(BV), bl.smem.scan, stream>>>(a, bl.scan_ring);
-    check_launch("backward_scan_kernel");
-  };
   with_kp(a.KP, [&](auto kp_tag) {
+    constexpr int KP = decltype(kp_tag)::value;
+    // kernel(scan_tag): the scan kernel of the plan's tile, its pre-scan form for std::true_type; go(kernel, ctas)
+    // launches one.
+    auto run = [&](auto kernel, auto go, int BV) {
+      const int64_t rows = a.seg_offsets != nullptr ? a.num_segments : a.N;  // CTA rows: segments, or sequences
+      if (a.seg_offsets != nullptr) {
+        if (a.cp_phase != kCpFinish) go(kernel(std::true_type()), rows * a.HV * (bl.vt + (KP + BV - 1) / BV));
+        // A summary without d_initial: the pre-scan alone (its merge and scan serve d_initial only).
+        if (a.cp_phase == kCpSummary && !a.d_initial.present()) return;
+        static_assert(bwd_merge_smem(KP) == MergeLayout<KP>::bytes(), "the planner's merge size");
+        auto merge = backward_segment_merge_kernel<KP>;
+        set_dynamic_smem(reinterpret_cast<const void*>(merge), bl.smem.merge);
+        const int64_t mctas = int64_t(a.N) * a.HV * ((a.V + kMergeCols - 1) / kMergeCols);
+        merge<<<static_cast<unsigned>(mctas), kMergeThreads, bl.smem.merge, stream>>>(a);
+        check_launch("backward_segment_merge_kernel");
+      }
+      // A cut summary: d_initial is the merge's fold.
+      if (a.cp_phase == kCpSummary && (a.seg_offsets != nullptr || !a.d_initial.present())) return;
+      go(kernel(std::false_type()), rows * a.HV * bl.vt);
+    };
+    if constexpr (std::is_same<Elem, __nv_bfloat16>::value && KP <= 128) {
+      if (bl.scan_sm90) {  // the planner sets it for bf16 tiles and K <= 128 only
+        run([](auto scan) { return backward_scan_sm90_kernel<KP, decltype(scan)::value>; },
+            [&](auto k, int64_t ctas) {
+              set_dynamic_smem(reinterpret_cast<const void*>(k), bl.smem.scan);
+              k<<<static_cast<unsigned>(ctas), kBwdScanSm90Threads, bl.smem.scan, stream>>>(a);
+              check_launch("backward_scan_sm90_kernel");
+            },
+            64);
+        return;
+      }
+    }
+    auto sm80 = [&](auto bv_tag) {
+      constexpr int BV = decltype(bv_tag)::value;
+      run([](auto scan) { return backward_scan_kernel<Elem, KP, BV, decltype(scan)::value>; },
+          [&](auto k, int64_t ctas) {
+            set_dynamic_smem(reinterpret_cast<const void*>(k), bl.smem.scan);
+            k<<<static_cast<unsigned>(ctas), bwd_scan_threads(BV), bl.smem.scan, stream>>>(a, bl.scan_ring);
+            check_launch("backward_scan_kernel");
+          },
+          BV);
+    };
     switch (bl.scan_bv) {
-      case 16: launch(kp_tag, std::integral_constant<int, 16>()); break;
-      case 32: launch(kp_tag, std::integral_constant<int, 32>()); break;
+      case 16: sm80(std::integral_constant<int, 16>()); break;
+      case 32: sm80(std::integral_constant<int, 32>()); break;
       default:
-        if constexpr (bwd_scan_max_bv(decltype(kp_tag)::value) >= 64) launch(kp_tag, std::integral_constant<int, 64>());
-        else launch(kp_tag, std::integral_constant<int, 32>());
+        if constexpr (bwd_scan_max_bv(KP) >= 64) sm80(std::integral_constant<int, 64>());
+        else sm80(std::integral_constant<int, 32>());
     }
   });
 }

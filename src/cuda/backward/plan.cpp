@@ -101,10 +101,17 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
     bp.scan_bv = 16;
     bp.scan_ring = 1;
   }
+  bp.scan_sm90 = device.compute_capability == 90 && tuning.backward_wgmma && esz == 2 && C == 64 && KP <= 128 &&
+                 (only == 0 || only == 64) && bwd_scan_sm90_smem(KP) <= limit;
+  if (bp.scan_sm90) {
+    bp.scan_bv = 64;
+  }
   bp.vt = static_cast<int>((pr.V + bp.scan_bv - 1) / bp.scan_bv);
   const int split_parts = bwd_split_parts(p.in.q.dtype == DType::kFloat32);
   bp.grad_cache = tuning.backward_grad_cache && bwd_grad_cache_fits(C, limit, split_parts);
-  bp.smem = backward_smem(C, KP, bwd_scan_smem(esz, KP, bp.scan_bv, bp.scan_ring), bp.grad_cache, split_parts);
+  bp.smem = backward_smem(C, KP,
+                          bp.scan_sm90 ? bwd_scan_sm90_smem(KP) : bwd_scan_smem(esz, KP, bp.scan_bv, bp.scan_ring),
+                          bp.grad_cache, split_parts);
   const bool states_f32 = !p.chunk_states.present() || p.chunk_states.dtype == DType::kFloat32;
   bp.ws_sm90 = device.compute_capability == 90 && tuning.backward_wgmma && esz == 2 && C == 64 && KP <= 128 &&
                pr.V <= 128 && pr.V % 4 == 0 && p.d_out.dtype == DType::kBFloat16 &&

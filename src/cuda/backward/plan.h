@@ -33,13 +33,16 @@ struct BackwardLaunch {
   int64_t rows = 0;      // token rows B * T
   int vt = 1;            // the scan's value tiles (scan_bv columns each)
   int scan_bv = 64;      // the scan's value columns per CTA: 16, 32, 64 (BwdScanLayout)
-  int scan_ring = 2;     // the scan's stage slots: 1 (no prefetch) to kBwdScanMaxRing
+  int scan_ring = 2;     // the mma.sync scan's stage slots: 1 (no prefetch) to kBwdScanMaxRing
   int nks = 1;           // 16-key slices of the gradient kernel
   bool grad_cache = false;  // the gradient kernel's dP/dL cache (bwd_grad_cache_fits)
   // The WY pass and the state products as one kernel on warpgroup MMAs (wy_states_sm90.cuh): Hopper, bf16 inputs and
   // cotangent, chunk 64, K <= 128, V <= 128 with V % 4 == 0, fp32 [K][V] chunk-start states. Its launch is both
   // steps (kBwdWy), and v_new and dbv never reach the workspace.
   bool ws_sm90 = false;
+  // The reverse scan on warpgroup MMAs (scan_sm90.cuh; scan_bv 64, no stage ring): Hopper, bf16 tiles, chunk 64,
+  // K <= 128, and no other scan width asked for.
+  bool scan_sm90 = false;
   // The scan's segments where the forward cuts a sequence (fwd.seg_target > 1; its segment table is read): segment
   // slots (fwd.segments) and the row length of a slot, vt * scan_bv value columns then KP transition columns.
   int64_t segments = 0;

@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "cuda/backward/common.cuh"
+#include "cuda/backward/scan_tile.cuh"
 #include "cuda/common/sm80/mma.cuh"
 
 namespace kdakit::cuda {
@@ -54,41 +55,11 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
   constexpr int DO_PER = kBwdMaxChunk * BV / NT;  // dO elements per thread
   static_assert(NT % BV == 0 && DO_PER * NT == kBwdMaxChunk * BV, "dO rows in whole passes of the CTA");
   const int C = a.chunk, K = a.K, V = a.V;
-  const int VT = (V + BV - 1) / BV;
-  constexpr int XT = SCAN ? KP / BV : 0;  // transition tiles
-  int64_t idx = blockIdx.x;
-  const int tile = static_cast<int>(idx % (VT + XT));
-  idx /= VT + XT;
-  const int hv = static_cast<int>(idx % a.HV);
-  const int64_t gseg = idx / a.HV;  // sequence, or segment slot where sequences are cut
-  const bool segmented = a.seg_offsets != nullptr;
-  int n = static_cast<int>(gseg);
-  int64_t seg = 0;
-  if (segmented) {
-    if (gseg >= a.seg_offsets[a.N]) return;
-    n = owner_of(a.seg_offsets, a.N, gseg);
-    seg = gseg - a.seg_offsets[n];
-  }
-  int64_t b, t0, len;
-  sequence(a, n, b, t0, len);
-  int nch = static_cast<int>((len + C - 1) / C);
-  int c_begin = 0, c_end = nch;  // this CTA's chunks
-  int64_t nseg = 1;
-  if (segmented) {
-    int64_t per;
-    nseg = a.segments_of(nch, per);
-    c_begin = static_cast<int>(seg * per);
-    c_end = static_cast<int>(min(static_cast<int64_t>(nch), c_begin + per));
-  }
-  const bool trans = SCAN && tile >= VT;
-  // The pre-scan skips segment 0 (its start gradient is the final scan's) and M of the last segment (it starts from
-  // dht, which needs no merge). A context-parallel summary starts the last from zero too (its finish merges dht
-  // through M^T), and scans segment 0 where it folds d_initial (BackwardArgs::cp_phase).
-  const bool summary = a.cp_phase == kCpSummary;
-  if (SCAN && !summary && (seg == 0 || (trans && seg == nseg - 1))) return;
-  if (SCAN && summary && seg == 0 && !a.d_initial.present()) return;
-  const int vt = trans ? tile - VT : tile;
-  const int64_t base = a.chunk_offsets[n];
+  ScanTile st;
+  if (!scan_tile<KP, BV, SCAN>(a, st)) return;
+  const int n = st.n, hv = st.hv, vt = st.vt, c_begin = st.c_begin, c_end = st.c_end;
+  const int64_t gseg = st.gseg, seg = st.seg, b = st.b, t0 = st.t0, len = st.len, base = st.base;
+  const bool trans = st.trans, last = st.last;
   const int tid = threadIdx.x, warp = tid >> 5, w4 = warp & 3, cb = (warp >> 2) * HB;
   const int v0 = vt * BV + cb;  // this warp's first value column (key column of M^T in transition tiles)
   auto seg_row = [&](int64_t g, int d) { return a.ws_seg + ((g * a.HV + hv) * KP + d) * a.seg_ld; };
@@ -203,7 +174,6 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
   // The end gradient: dht (the sequence's last segment), the merged one (later segments: slot gseg + 1 holds it),
   // zero (pre-scan value tiles of other segments) or the identity (transition tiles).
   FragC dS[MT][NTV];
-  const bool last = seg == nseg - 1;
   for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
     const int d = w4 * ROWS + row, v = v0 + col;
     float x = 0.f;

@@ -63,6 +63,15 @@ constexpr std::size_t bwd_scan_smem(int elem_bytes, int KP, int BV, int ring) {
   return BwdScanLayout{elem_bytes, KP, BV}.bytes(ring);
 }
 
+// The reverse scan on Hopper warpgroup MMAs (scan_sm90.cuh): one warpgroup per 64 value columns; two stages of kg,
+// qg, w ([64][KP] bf16 each), Aqk and its lo tile ([64][64]) and gamma ([KP] f32), each stage rounded up to the
+// swizzle's 1024-byte period; dO [2][64][72] bf16; and 1 KB of slack to align the base.
+constexpr int kBwdScanSm90Threads = 128;
+constexpr std::size_t bwd_scan_sm90_smem(int KP) {
+  return 2 * ((std::size_t(3) * 64 * KP * 2 + 2 * 64 * 64 * 2 + std::size_t(KP) * 4 + 1023) / 1024 * 1024) +
+         2 * 64 * 72 * 2 + 1024;
+}
+
 // The WY pass, per (chunk, v-head), in two phases over one shared-memory union; independent of K (the keys stream).
 // Phase 0, v_new = u - w h_c, in passes of kWyPassCols value columns over steps of kWyKRows keys, three stages of: the
 // state's rows [kWyKRows][kWyLdS] (fp32) and w's columns [C][kWyLdW] (sized for float). Phase 1, over tiles of

@@ -5,6 +5,7 @@
 
 #include "cuda/common/seqlen.cuh"
 #include "cuda/common/sm80/mma.cuh"
+#include "cuda/common/sm90/gmma.cuh"
 #include "cuda/forward/args.h"
 #include "cuda/forward/tile_size.h"
 
@@ -25,7 +26,8 @@ __device__ __forceinline__ bool segment_sequence(const ForwardArgs& a, int64_t g
 }
 
 // A recurrence CTA's work: blockIdx.x = (segment slot, v-head, tile), tiles fastest; the sequence and its state slot,
-// its chunks in this segment, and whether the tile is a transition tile (SCAN: the K / BV extra tiles that give M).
+// its chunks in this segment, and whether the tile is a transition tile (SCAN: the KP / BV extra tiles, at least one,
+// that give M).
 // False when the CTA has nothing to do (past the last segment; the scan of a sequence's last segment; M of segment 0).
 // A padding sequence (slot -1) gets no chunks: its outputs and chunk states are the prepare kernel's zeros, and it
 // reads and writes no state. (No early exit for it: that cost the hot kernels registers and spills.)
@@ -39,7 +41,7 @@ template <int KP, int BV, bool SCAN>
 __device__ __forceinline__ bool recurrence_tile(const ForwardArgs& a, RecurrenceTile& w) {
   const int C = a.chunk;
   w.VT = (a.V + BV - 1) / BV;
-  const int TILES = SCAN ? w.VT + KP / BV : w.VT;
+  const int TILES = SCAN ? w.VT + (KP + BV - 1) / BV : w.VT;  // a 128-column tile covers KP = 64
   int64_t idx = blockIdx.x;
   w.tile = static_cast<int>(idx % TILES);
   idx /= TILES;
@@ -82,10 +84,6 @@ __device__ __forceinline__ void copy_ws_tile(Elem* dst, const Elem* src, int C) 
   }
 }
 
-// Rows [0, C) of a [C][KC] workspace tile into a tile of the warpgroup MMAs' swizzled layout (forward/recurrence_sm90.cuh).
-template <typename Elem, int KC, int NT>
-__device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int C);
-
 // Chunk ci's workspace tiles into stage t as one commit group: w; qg (not NO_OUT) and kg unless ONE_TILE (they take
 // turns in w's buffer later); the tile's BV columns of u (transition tiles have u = 0); Aqk and its lo tile (not
 // NO_OUT: the kernel makes no outputs); gamma. SWIZZLED: w, qg, kg, Aqk in the swizzled layout of the warpgroup MMAs
@@ -99,9 +97,9 @@ __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const Recurren
   const int64_t wtile = (rt.base + ci) * a.HV + rt.hv;
   auto tile_of = [&](void* ws) { return static_cast<const Elem*>(ws) + wtile * C * KP; };
   if constexpr (SWIZZLED) {
-    copy_ws_swizzled<Elem, KP, NT>(t.w, tile_of(a.ws_w), C);
-    if constexpr (!NO_OUT) copy_ws_swizzled<Elem, KP, NT>(t.q, tile_of(a.ws_qg), C);
-    copy_ws_swizzled<Elem, KP, NT>(t.k, tile_of(a.ws_kg), C);
+    sm90::copy_ws_swizzled<Elem, KP, NT>(t.w, tile_of(a.ws_w), C);
+    if constexpr (!NO_OUT) sm90::copy_ws_swizzled<Elem, KP, NT>(t.q, tile_of(a.ws_qg), C);
+    sm90::copy_ws_swizzled<Elem, KP, NT>(t.k, tile_of(a.ws_kg), C);
   } else {
     copy_ws_tile<Elem, KP, LDK, NT>(t.w, tile_of(a.ws_w), C);
     if constexpr (!ONE_TILE) {
@@ -119,8 +117,8 @@ __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const Recurren
     }
   }
   if constexpr (!NO_OUT && SWIZZLED) {
-    copy_ws_swizzled<Elem, 64, NT>(t.a, static_cast<const Elem*>(a.ws_a) + wtile * C * C, C);
-    copy_ws_swizzled<Elem, 64, NT>(t.alo, static_cast<const Elem*>(a.ws_alo) + wtile * C * C, C);
+    sm90::copy_ws_swizzled<Elem, 64, NT>(t.a, static_cast<const Elem*>(a.ws_a) + wtile * C * C, C);
+    sm90::copy_ws_swizzled<Elem, 64, NT>(t.alo, static_cast<const Elem*>(a.ws_alo) + wtile * C * C, C);
   } else if constexpr (!NO_OUT) {
     const Elem* ga = static_cast<const Elem*>(a.ws_a) + wtile * C * C;
     const Elem* galo = static_cast<const Elem*>(a.ws_alo) + wtile * C * C;
@@ -136,6 +134,21 @@ __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const Recurren
   cp_async_commit();
 }
 
+
+// S^T = S^T diag(gamma) for a transposed state in accumulators (value rows by keys: key d of n-tile nd at column
+// 8 nd + 2 t + (e & 1)), gamma the keys' decays in shared memory.
+template <int ND>
+__device__ __forceinline__ void decay_keys(FragC (&S)[ND], const float* gam) {
+  const int t2 = 2 * (threadIdx.x & 3);
+#pragma unroll
+  for (int nd = 0; nd < ND; ++nd) {
+    const float2 gm = *reinterpret_cast<const float2*>(gam + 8 * nd + t2);
+    S[nd].x[0] *= gm.x;
+    S[nd].x[1] *= gm.y;
+    S[nd].x[2] *= gm.x;
+    S[nd].x[3] *= gm.y;
+  }
+}
 
 // The A fragment (m16 x k16) of accumulator n-tiles c0 (k 0..7) and c1 (k 8..15): rounded once to bf16 (P = 1), or
 // split into P bf16 parts (a[0] the largest).

@@ -10,23 +10,6 @@
 
 namespace kdakit::cuda {
 
-// Rows [0, C) of a [C][KC] workspace tile into a swizzled stage tile (bf16): each 8 lanes copy one 128-byte row (a
-// permutation of one row's pieces in shared memory: no bank conflicts).
-template <typename Elem, int KC, int NT>
-__device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int C) {
-  static_assert(sizeof(Elem) == 2, "swizzled stage tiles hold bf16 operands");
-  constexpr int KB = KC / 8, RS = NT / KB;  // 16-byte pieces per row; rows per pass (a multiple of 8: same swizzle)
-  static_assert(NT % KB == 0 && RS % 8 == 0 && 64 % RS == 0, "whole 8-row groups per pass");
-  const int r = threadIdx.x / KB, c = (threadIdx.x % KB) * 8;
-  Elem* d = dst + sm90::tile_offset<KC>(r, c);
-  const int step = sm90::tile_offset<KC>(RS, 0);  // RS rows further, the same swizzle
-  const Elem* g = src + r * KC + c;
-#pragma unroll
-  for (int i = 0; i < 64 / RS; ++i) {
-    if (r + i * RS < C) cp_async16(d + i * step, g + i * RS * KC);
-  }
-}
-
 template <typename Elem, int KP, int BV, bool NO_OUT, bool ONE_STAGE>
 struct VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, true> {
   static_assert(sizeof(Elem) == 2, "warpgroup MMAs take bf16 operands");

@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV>::THREADS)
   const int64_t gseg = rt.gseg, seg = rt.seg, b = rt.b, t0 = rt.t0, len = rt.len, nch_all = rt.nch_all;
   const int64_t c_begin = rt.c_begin, c_end = rt.c_end, base = rt.base;
   const bool trans = rt.trans;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int r0 = 16 * warp;     // this warp's first row within the tile
   const int v0 = vt * BV + r0;  // ... as a value (or key, for transition tiles) index
   auto seg_row = [&](int64_t g, int d) { return a.ws_seg + ((g * a.HV + hv) * KP + d) * a.seg_ld; };
@@ -102,18 +102,7 @@ __global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV>::THREADS)
   auto issue = [&](int64_t ci, int st) {
     issue_chunk<Elem, KP, BV, NT, L::LDK, L::LDB, L::LDA, L::SPLIT_A, false, NO_OUT, WG>(a, rt, ci, stage(st));
   };
-  // S^T = S^T diag(gamma).
-  auto decay = [&](const Stage& t) {
-    const int t2 = 2 * (lane & 3);
-#pragma unroll
-    for (int nd = 0; nd < ND; ++nd) {
-      const float2 gm = *reinterpret_cast<const float2*>(t.gam + 8 * nd + t2);
-      S[nd].x[0] *= gm.x;
-      S[nd].x[1] *= gm.y;
-      S[nd].x[2] *= gm.x;
-      S[nd].x[3] *= gm.y;
-    }
-  };
+  auto decay = [&](const Stage& t) { decay_keys(S, t.gam); };  // S^T = S^T diag(gamma)
 
   const int NCC = C / 8;  // chunk-row n-tiles of this chunk size (WG: 8)
   if (c_begin < c_end) issue(c_begin, 0);

@@ -393,6 +393,48 @@ TEST(BackwardPlan, HopperFusesTheWyPassAndTheStateProducts) {
   EXPECT_FALSE(BackwardCase(1, 256, 2, 2).launch(kH200, off).ws_sm90);
 }
 
+TEST(BackwardPlan, HopperScansOnWarpgroupMmas) {
+  // Hopper, bf16 tiles, chunk 64, K <= 128: the warpgroup-MMA scan at 64 value columns, whatever the cotangent's dtype
+  // and the state layout.
+  for (const int64_t K : {64, 100, 128}) {
+    for (const int64_t V : {36, 128, 256}) {
+      const BackwardLaunch b = BackwardCase(1, 256, 2, 2, K, V).launch(kH200);
+      EXPECT_TRUE(b.scan_sm90) << "K = " << K << ", V = " << V;
+      EXPECT_EQ(b.scan_bv, 64);
+      EXPECT_EQ(b.vt, (V + 63) / 64);
+      EXPECT_EQ(b.smem.scan, cuda::bwd_scan_sm90_smem(b.fwd.cfg.KP));
+      EXPECT_LE(b.smem.scan, kH200.smem_optin);
+    }
+  }
+  BackwardCase do32(1, 256, 2, 2);
+  do32.p.d_out = device_view(DType::kFloat32, {1, 256, 2, 128});
+  EXPECT_TRUE(do32.launch(kH200).scan_sm90) << "fp32 cotangent";
+  BackwardCase cut(1, 65536, 8);
+  const BackwardLaunch c = cut.launch(kH200);
+  EXPECT_TRUE(c.scan_sm90);
+  EXPECT_EQ(c.seg_ld, c.vt * 64 + c.fwd.cfg.KP) << "the segments' rows at the Hopper scan's tile";
+  EXPECT_FALSE(BackwardCase(1, 256, 2, 2, 256, 128).launch(kH200).scan_sm90) << "K = 256";
+  EXPECT_FALSE(BackwardCase(1, 256, 2, 2, 128, 128, DType::kBFloat16, 32).launch(kH200).scan_sm90) << "chunk 32";
+  EXPECT_FALSE(BackwardCase(1, 256, 2, 2, 128, 128, DType::kFloat32).launch(kH200).scan_sm90) << "float32";
+  EXPECT_FALSE(BackwardCase(1, 256, 2, 2, 128, 128, DType::kFloat16).launch(kH200).scan_sm90) << "float16";
+  EXPECT_FALSE(BackwardCase(1, 256, 2, 2).launch(kA100).scan_sm90) << "A100";
+  Tuning off;
+  off.backward_wgmma = false;
+  const BackwardLaunch o = BackwardCase(1, 256, 2, 2).launch(kH200, off);
+  EXPECT_FALSE(o.scan_sm90);
+  EXPECT_EQ(o.smem.scan, cuda::bwd_scan_smem(2, 128, o.scan_bv, o.scan_ring));
+  for (const int bv : {16, 32}) {  // another width asked for: the mma.sync scan
+    Tuning narrow;
+    narrow.backward_scan_bv = bv;
+    const BackwardLaunch n = BackwardCase(1, 256, 2, 2).launch(kH200, narrow);
+    EXPECT_FALSE(n.scan_sm90) << bv;
+    EXPECT_EQ(n.scan_bv, bv);
+  }
+  Tuning wide;
+  wide.backward_scan_bv = 64;
+  EXPECT_TRUE(BackwardCase(1, 256, 2, 2).launch(kH200, wide).scan_sm90);
+}
+
 TEST(BackwardPlan, TooLittleSharedMemoryIsACudaError) {
   // bf16, K = 64, chunk 64: the forward's kernels fit 80 KB, the backward's state products (84 KB) do not.
   Tuning small;

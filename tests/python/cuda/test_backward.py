@@ -224,13 +224,14 @@ def test_bfloat16_no_worse_than_fla(seed, B, T, H, HV, K, V, gate, v_first):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_segmented_reverse_scan(monkeypatch, seed, dtype):
+@pytest.mark.parametrize("K,V", [(64, 64), (64, 128)])
+def test_segmented_reverse_scan(monkeypatch, seed, dtype, K, V):
     """Few heads, long sequences: the reverse scan cut where the forward cuts (forced here to segments of >= 2 chunks:
     segment pre-scans, the merge of their end gradients, then the scan of every segment) gives the reference's
     gradients, at the tolerance of the uncut scan; sequences too short to cut, empty ones and one-token ones beside."""
     monkeypatch.setenv("KDAKIT_FORWARD_SEGMENTS", "3")
     monkeypatch.setenv("KDAKIT_FORWARD_SEGMENT_TOKENS", "128")
-    x = make(1, None, 1, 2, 64, 64, cu=[0, 700, 705, 1300, 1300, 1301, 1700], v_first=True)
+    x = make(1, None, 1, 2, K, V, cu=[0, 700, 705, 1300, 1300, 1301, 1700], v_first=True)
     if dtype == torch.float32:
         check32(x)
         return
@@ -312,10 +313,10 @@ def test_scan_value_tile_gives_the_same_bits(monkeypatch, seed, bv):
 
 @pytest.mark.parametrize("K,V,disable_recompute", [(128, 128, False), (100, 64, False), (64, 36, False),
                                                    (128, 128, True)])
-def test_hopper_wy_states_kernel_gives_the_same_bits(monkeypatch, seed, K, V, disable_recompute):
-    """On Hopper, bf16: the WY pass and the state products in one warpgroup-MMA kernel give the same bits as the
-    mma.sync kernels (KDAKIT_BACKWARD_WGMMA=0); varlen with an empty and a one-token sequence, GVA; recomputed chunk
-    states, and the forward's saved ones."""
+def test_hopper_kernels_give_the_same_bits(monkeypatch, seed, K, V, disable_recompute):
+    """On Hopper, bf16: the warpgroup-MMA kernels (the reverse scan; the WY pass with the state products) give the same
+    bits as the mma.sync kernels (KDAKIT_BACKWARD_WGMMA=0); varlen with an empty and a one-token sequence, GVA;
+    recomputed chunk states, and the forward's saved ones."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs a Hopper GPU")
     x = make(1, None, 2, 4, K, V, cu=[0, 100, 100, 333, 334], gate="softplus")
@@ -326,6 +327,25 @@ def test_hopper_wy_states_kernel_gives_the_same_bits(monkeypatch, seed, K, V, di
     monkeypatch.delenv("KDAKIT_BACKWARD_WGMMA")
     for n in a:
         assert same_bits(a[n], b[n]), f"d{n} differs between the Hopper kernel and the mma.sync kernels"
+
+
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 100)])
+def test_hopper_scan_in_segments_gives_the_same_bits(monkeypatch, seed, K, V):
+    """On Hopper, bf16: the warpgroup-MMA reverse scan cut into segments (forced: pre-scans with their transition
+    tiles, the merge, the scans) gives the mma.sync scan's bits; sequences too short to cut, an empty one and a
+    one-token one beside."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    monkeypatch.setenv("KDAKIT_FORWARD_SEGMENTS", "3")
+    monkeypatch.setenv("KDAKIT_FORWARD_SEGMENT_TOKENS", "128")
+    x = make(1, None, 1, 2, K, V, cu=[0, 700, 705, 1300, 1300, 1301, 1700], gate="softplus")
+    do, dht = cotangents(x)
+    a = grads(x, do, dht, dtype=torch.bfloat16)
+    monkeypatch.setenv("KDAKIT_BACKWARD_WGMMA", "0")
+    b = grads(x, do, dht, dtype=torch.bfloat16)
+    monkeypatch.delenv("KDAKIT_BACKWARD_WGMMA")
+    for n in a:
+        assert same_bits(a[n], b[n]), f"d{n} differs between the Hopper scan and the mma.sync scan in segments"
 
 
 def test_determinism_and_batch_invariance(seed):

@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "cuda/common/sm80/cp_async.cuh"
 #include "cuda/common/sm80/mma.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -77,6 +78,24 @@ struct TileDescriptors {
     return first + static_cast<uint64_t>(elem * int(sizeof(cute::bfloat16_t)) / 16);
   }
 };
+
+// Rows [0, C) of a [C][KC] bf16 workspace tile into a TileLayout<KC> tile by 16-byte cp.async copies (the caller
+// commits them): each 8 lanes copy one 128-byte row (a permutation of one row's pieces in shared memory: no bank
+// conflicts).
+template <typename Elem, int KC, int NT>
+__device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int C) {
+  static_assert(sizeof(Elem) == 2, "swizzled stage tiles hold bf16 operands");
+  constexpr int KB = KC / 8, RS = NT / KB;  // 16-byte pieces per row; rows per pass (a multiple of 8: same swizzle)
+  static_assert(NT % KB == 0 && RS % 8 == 0 && 64 % RS == 0, "whole 8-row groups per pass");
+  const int r = threadIdx.x / KB, c = (threadIdx.x % KB) * 8;
+  Elem* d = dst + tile_offset<KC>(r, c);
+  const int step = tile_offset<KC>(RS, 0);  // RS rows further, the same swizzle
+  const Elem* g = src + r * KC + c;
+#pragma unroll
+  for (int i = 0; i < 64 / RS; ++i) {
+    if (r + i * RS < C) cp_async16(d + i * step, g + i * RS * KC);
+  }
+}
 
 // d += A B for a 64 x N tile (N = 64 or 128), A from registers, B through a descriptor of the given major mode.
 template <int N, Major B_MAJOR>
