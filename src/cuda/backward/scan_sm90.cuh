@@ -1,7 +1,8 @@
 // The reverse state scan on Hopper warpgroup MMAs: scan_sm80.cuh's arithmetic with the gradient state transposed, as
-// forward/recurrence_vrows.cuh transposes the forward's recurrence. bf16 operands, chunk 64, K <= 128. One CTA of one
-// warpgroup per (sequence or segment, v-head, 64 value columns); warp w owns value rows [16 w, 16 w + 16) of the tile
-// for every key (dS^T: 16 x KP fp32 accumulators). Per chunk, from the last:
+// forward/recurrence_vrows.cuh transposes the forward's recurrence. bf16 operands, chunk 64, K <= 128. One CTA per
+// (sequence or segment, v-head, 64 value columns) of two warpgroups: warpgroup 0 runs the products, warp w owning value
+// rows [16 w, 16 w + 16) of the tile for every key (dS^T: 16 x KP fp32 accumulators); warpgroup 1 issues the copies of
+// the next chunk's stage (the products' warps issue nothing but their own work). Per chunk, from the last:
 //   dh_c = dS (to the workspace),
 //   dv_new^T = dS^T kg^T + dO^T Aqk      (dS^T as hi + lo A fragments; Aqk's lo tile, then Aqk),
 //   dS^T <- dS^T diag(gamma) + dO^T qg - dv_new^T w   (-dv_new^T as hi + lo A fragments).
@@ -52,12 +53,15 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
   using L = Layout<KP>;
   using Op = Operand<bf16>;
   constexpr int NT = kBwdScanSm90Threads, ND = KP / 8, NC = C / 8;  // dS^T n-tiles (keys); dv_new^T's (chunk rows)
-  static_assert(NT == 128 && KP <= 128, "one warpgroup; the transposed state holds KP / 2 registers per thread");
+  constexpr int PT = NT - 128;  // copying threads
+  static_assert(NT == 256 && KP <= 128, "two warpgroups; the transposed state holds KP / 2 registers per thread");
   ScanTile st;
   if (!scan_tile<KP, BV, SCAN>(a, st)) return;
   const int K = a.K, V = a.V, hv = st.hv;
   const bool trans = st.trans;
   const int tid = threadIdx.x, warp = tid >> 5;
+  const bool copier = tid >= 128;  // warpgroup 1
+  const int ctid = tid - 128;      // ... its thread index
   const int r0 = 16 * warp, v0 = st.vt * BV + r0;  // this warp's first value row (a key of M^T in transition tiles)
   auto seg_row = [&](int64_t g, int d) { return a.ws_seg + ((g * a.HV + hv) * KP + d) * a.seg_ld; };
 
@@ -73,28 +77,28 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
   // dO as 16-byte pieces (bf16 rows at 16-byte multiples, V a multiple of 8: a piece is within V or past it) by
   // cp.async with the stage tiles; else through registers (load_dO, store_dO below). CTA-uniform.
   const bool do_async = !trans && a.d_out.dtype == DType::kBFloat16 && rows_vec(a.d_out, 8, V);
-  // Chunk ci's tiles into stage t, and with do_async its dO into its buffer, as one commit group; transition tiles
-  // take neither qg nor Aqk. bf16 tiles always come with Aqk's lo tile (backward/run.cu).
+  // Chunk ci's tiles into stage t, and with do_async its dO into its buffer, as one commit group of warpgroup 1;
+  // transition tiles take neither qg nor Aqk. bf16 tiles always come with Aqk's lo tile (backward/run.cu).
   auto issue = [&](int ci, const Stage& t) {
     const int64_t tile = a.tile(st.base + ci, hv);
     auto ws = [&](const void* p) { return static_cast<const bf16*>(p) + tile * C * KP; };
-    sm90::copy_ws_swizzled<bf16, KP, NT>(t.kg, ws(a.ws_kg), C);
-    sm90::copy_ws_swizzled<bf16, KP, NT>(t.w, ws(a.ws_w), C);
+    sm90::copy_ws_swizzled<bf16, KP, PT>(t.kg, ws(a.ws_kg), C, ctid);
+    sm90::copy_ws_swizzled<bf16, KP, PT>(t.w, ws(a.ws_w), C, ctid);
     if (!trans) {
-      sm90::copy_ws_swizzled<bf16, KP, NT>(t.qg, ws(a.ws_qg), C);
-      sm90::copy_ws_swizzled<bf16, 64, NT>(t.aqk, static_cast<const bf16*>(a.ws_a) + tile * C * C, C);
-      sm90::copy_ws_swizzled<bf16, 64, NT>(t.alo, static_cast<const bf16*>(a.ws_alo) + tile * C * C, C);
+      sm90::copy_ws_swizzled<bf16, KP, PT>(t.qg, ws(a.ws_qg), C, ctid);
+      sm90::copy_ws_swizzled<bf16, 64, PT>(t.aqk, static_cast<const bf16*>(a.ws_a) + tile * C * C, C, ctid);
+      sm90::copy_ws_swizzled<bf16, 64, PT>(t.alo, static_cast<const bf16*>(a.ws_alo) + tile * C * C, C, ctid);
     }
     const float* gg = a.ws_gam + tile * KP;
-    for (int e = tid; e < KP / 4; e += NT) cp_async16(t.gam + 4 * e, gg + 4 * e);
+    for (int e = ctid; e < KP / 4; e += PT) cp_async16(t.gam + 4 * e, gg + 4 * e);
     if (do_async) {
       const bf16* src = static_cast<const bf16*>(a.d_out.p);
       const int64_t row0 = st.t0 + int64_t(ci) * C;
       const int nrows = static_cast<int>(min(static_cast<int64_t>(C), st.len - int64_t(ci) * C));
       bf16* dst = sdO + (ci & 1) * 64 * LDO;
 #pragma unroll
-      for (int i = 0; i < 64 * 8 / NT; ++i) {
-        const int e = tid + i * NT, r = e >> 3, c = (e & 7) * 8, v = st.vt * BV + c;
+      for (int i = 0; i < 64 * 8 / PT; ++i) {
+        const int e = ctid + i * PT, r = e >> 3, c = (e & 7) * 8, v = st.vt * BV + c;
         const bool in = r < nrows && v < V;
         cp_async16(dst + r * LDO + c, in ? src + a.d_out.offset(st.b, row0 + r, hv) + v : src, in ? 16 : 0);
       }
@@ -155,22 +159,28 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
     }
     S[nd].x[e] = x;
   });
-  if (st.c_end > st.c_begin) {
-    if (!trans && !do_async) {
-      load_dO(st.c_end - 1);
-      store_dO(st.c_end - 1);
+  // One hand-over a chunk (barrier 1 of both warpgroups): chunk ci's tiles and dO are visible, and every warp is done
+  // with chunk ci + 1's stage and dO buffer, which then take chunk ci - 1's.
+  auto handover = [] { asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory"); };
+  if (copier) {
+    for (int ci = st.c_end - 1; ci >= st.c_begin; --ci) {
+      const int s = (st.c_end - 1 - ci) & 1;
+      if (ci == st.c_end - 1) issue(ci, stage(0));
+      cp_async_wait<0>();
+      sm90::fence_shared_to_async();
+      handover();
+      if (ci > st.c_begin) issue(ci - 1, stage(s ^ 1));
     }
-    issue(st.c_end - 1, stage(0));
+    return;
+  }
+  if (st.c_end > st.c_begin && !trans && !do_async) {
+    load_dO(st.c_end - 1);
+    store_dO(st.c_end - 1);
   }
   for (int ci = st.c_end - 1; ci >= st.c_begin; --ci) {
     const int s = (st.c_end - 1 - ci) & 1;
-    cp_async_wait<0>();
-    sm90::fence_shared_to_async();
-    __syncthreads();  // chunk ci's tiles and dO visible; every warp is done with chunk ci + 1's stage and dO buffer
-    if (ci > st.c_begin) {
-      issue(ci - 1, stage(s ^ 1));
-      if (!trans && !do_async) load_dO(ci - 1);
-    }
+    handover();
+    if (ci > st.c_begin && !trans && !do_async) load_dO(ci - 1);
     const Stage t = stage(s);
     const int64_t tile = a.tile(st.base + ci, hv);
     const int nrows = static_cast<int>(min(static_cast<int64_t>(C), st.len - int64_t(ci) * C));

@@ -63,10 +63,11 @@ constexpr std::size_t bwd_scan_smem(int elem_bytes, int KP, int BV, int ring) {
   return BwdScanLayout{elem_bytes, KP, BV}.bytes(ring);
 }
 
-// The reverse scan on Hopper warpgroup MMAs (scan_sm90.cuh): one warpgroup per 64 value columns; two stages of kg,
+// The reverse scan on Hopper warpgroup MMAs (scan_sm90.cuh): per 64 value columns, one warpgroup for the products
+// and one that copies the stages; two stages of kg,
 // qg, w ([64][KP] bf16 each), Aqk and its lo tile ([64][64]) and gamma ([KP] f32), each stage rounded up to the
 // swizzle's 1024-byte period; dO [2][64][72] bf16; and 1 KB of slack to align the base.
-constexpr int kBwdScanSm90Threads = 128;
+constexpr int kBwdScanSm90Threads = 256;
 constexpr std::size_t bwd_scan_sm90_smem(int KP) {
   return 2 * ((std::size_t(3) * 64 * KP * 2 + 2 * 64 * 64 * 2 + std::size_t(KP) * 4 + 1023) / 1024 * 1024) +
          2 * 64 * 72 * 2 + 1024;

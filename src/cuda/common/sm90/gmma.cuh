@@ -80,14 +80,14 @@ struct TileDescriptors {
 };
 
 // Rows [0, C) of a [C][KC] bf16 workspace tile into a TileLayout<KC> tile by 16-byte cp.async copies (the caller
-// commits them): each 8 lanes copy one 128-byte row (a permutation of one row's pieces in shared memory: no bank
-// conflicts).
+// commits them), by NT threads of which this is thread `t`: each 8 lanes copy one 128-byte row (a permutation of one
+// row's pieces in shared memory: no bank conflicts).
 template <typename Elem, int KC, int NT>
-__device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int C) {
+__device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int C, int t) {
   static_assert(sizeof(Elem) == 2, "swizzled stage tiles hold bf16 operands");
   constexpr int KB = KC / 8, RS = NT / KB;  // 16-byte pieces per row; rows per pass (a multiple of 8: same swizzle)
   static_assert(NT % KB == 0 && RS % 8 == 0 && 64 % RS == 0, "whole 8-row groups per pass");
-  const int r = threadIdx.x / KB, c = (threadIdx.x % KB) * 8;
+  const int r = t / KB, c = (t % KB) * 8;
   Elem* d = dst + tile_offset<KC>(r, c);
   const int step = tile_offset<KC>(RS, 0);  // RS rows further, the same swizzle
   const Elem* g = src + r * KC + c;
@@ -95,6 +95,11 @@ __device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int
   for (int i = 0; i < 64 / RS; ++i) {
     if (r + i * RS < C) cp_async16(d + i * step, g + i * RS * KC);
   }
+}
+// The same by the CTA's first NT threads.
+template <typename Elem, int KC, int NT>
+__device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int C) {
+  copy_ws_swizzled<Elem, KC, NT>(dst, src, C, static_cast<int>(threadIdx.x));
 }
 
 // d += A B for a 64 x N tile (N = 64 or 128), A from registers, B through a descriptor of the given major mode.
