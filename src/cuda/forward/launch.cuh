@@ -45,7 +45,7 @@ void launch_recurrence_kind(const ForwardArgs& a, cudaStream_t stream) {
       if (a.states_only) kernel = recurrence_vrows_kernel<Elem, KP, BV, false, ONE_STAGE, WG, true>;
     }
     set_smem(kernel, bytes);
-    kernel<<<static_cast<unsigned>(ctas), VrowsLayout<EB, KP, BV>::THREADS, bytes, stream>>>(a);
+    kernel<<<static_cast<unsigned>(ctas), VrowsLayout<EB, KP, BV, ONE_STAGE, WG>::LAUNCH_THREADS, bytes, stream>>>(a);
   } else {
     auto kernel = recurrence_kernel<Elem, KP, BV, SCAN, ONE_STAGE>;
     set_smem(kernel, bytes);

@@ -75,36 +75,36 @@ struct RecurrenceStage {
 // Rows [0, C) of a [C][KP] workspace tile into a stage tile of row stride LDK: a compile-time number of steps over the
 // 64-row maximum (unrolled, constant address steps).
 template <typename Elem, int KP, int LDK, int NT>
-__device__ __forceinline__ void copy_ws_tile(Elem* dst, const Elem* src, int C) {
+__device__ __forceinline__ void copy_ws_tile(Elem* dst, const Elem* src, int C, int tid) {
   constexpr int EPC = 16 / sizeof(Elem), KC = KP / EPC;
 #pragma unroll
   for (int i = 0; i < (64 * KC + NT - 1) / NT; ++i) {
-    const int e = threadIdx.x + i * NT, r = e / KC, c = (e % KC) * EPC;
+    const int e = tid + i * NT, r = e / KC, c = (e % KC) * EPC;
     if (r < C) cp_async16(dst + r * LDK + c, src + r * KP + c);
   }
 }
 
-// Chunk ci's workspace tiles into stage t as one commit group: w; qg (not NO_OUT) and kg unless ONE_TILE (they take
-// turns in w's buffer later); the tile's BV columns of u (transition tiles have u = 0); Aqk and its lo tile (not
-// NO_OUT: the kernel makes no outputs); gamma. SWIZZLED: w, qg, kg, Aqk in the swizzled layout of the warpgroup MMAs
-// (chunk 64), else row-major with row strides LDK / LDA.
+// Chunk ci's workspace tiles into stage t as one commit group of the NT threads that copy (tid: this thread among
+// them): w; qg (not NO_OUT) and kg unless ONE_TILE (they take turns in w's buffer later); the tile's BV columns of u
+// (transition tiles have u = 0); Aqk and its lo tile (not NO_OUT: the kernel makes no outputs); gamma. SWIZZLED: w,
+// qg, kg, Aqk in the swizzled layout of the warpgroup MMAs (chunk 64), else row-major with row strides LDK / LDA.
 template <typename Elem, int KP, int BV, int NT, int LDK, int LDB, int LDA, bool SPLIT_A, bool ONE_TILE, bool NO_OUT,
           bool SWIZZLED = false>
 __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const RecurrenceTile& rt, int64_t ci,
-                                            const RecurrenceStage<Elem>& t) {
+                                            const RecurrenceStage<Elem>& t, int tid) {
   constexpr int EPC = 16 / sizeof(Elem);
-  const int C = a.chunk, tid = threadIdx.x;
+  const int C = a.chunk;
   const int64_t wtile = (rt.base + ci) * a.HV + rt.hv;
   auto tile_of = [&](void* ws) { return static_cast<const Elem*>(ws) + wtile * C * KP; };
   if constexpr (SWIZZLED) {
-    sm90::copy_ws_swizzled<Elem, KP, NT>(t.w, tile_of(a.ws_w), C);
-    if constexpr (!NO_OUT) sm90::copy_ws_swizzled<Elem, KP, NT>(t.q, tile_of(a.ws_qg), C);
-    sm90::copy_ws_swizzled<Elem, KP, NT>(t.k, tile_of(a.ws_kg), C);
+    sm90::copy_ws_swizzled<Elem, KP, NT>(t.w, tile_of(a.ws_w), C, tid);
+    if constexpr (!NO_OUT) sm90::copy_ws_swizzled<Elem, KP, NT>(t.q, tile_of(a.ws_qg), C, tid);
+    sm90::copy_ws_swizzled<Elem, KP, NT>(t.k, tile_of(a.ws_kg), C, tid);
   } else {
-    copy_ws_tile<Elem, KP, LDK, NT>(t.w, tile_of(a.ws_w), C);
+    copy_ws_tile<Elem, KP, LDK, NT>(t.w, tile_of(a.ws_w), C, tid);
     if constexpr (!ONE_TILE) {
-      if constexpr (!NO_OUT) copy_ws_tile<Elem, KP, LDK, NT>(t.q, tile_of(a.ws_qg), C);
-      copy_ws_tile<Elem, KP, LDK, NT>(t.k, tile_of(a.ws_kg), C);
+      if constexpr (!NO_OUT) copy_ws_tile<Elem, KP, LDK, NT>(t.q, tile_of(a.ws_qg), C, tid);
+      copy_ws_tile<Elem, KP, LDK, NT>(t.k, tile_of(a.ws_kg), C, tid);
     }
   }
   if (!rt.trans) {
@@ -117,8 +117,8 @@ __device__ __forceinline__ void issue_chunk(const ForwardArgs& a, const Recurren
     }
   }
   if constexpr (!NO_OUT && SWIZZLED) {
-    sm90::copy_ws_swizzled<Elem, 64, NT>(t.a, static_cast<const Elem*>(a.ws_a) + wtile * C * C, C);
-    sm90::copy_ws_swizzled<Elem, 64, NT>(t.alo, static_cast<const Elem*>(a.ws_alo) + wtile * C * C, C);
+    sm90::copy_ws_swizzled<Elem, 64, NT>(t.a, static_cast<const Elem*>(a.ws_a) + wtile * C * C, C, tid);
+    sm90::copy_ws_swizzled<Elem, 64, NT>(t.alo, static_cast<const Elem*>(a.ws_alo) + wtile * C * C, C, tid);
   } else if constexpr (!NO_OUT) {
     const Elem* ga = static_cast<const Elem*>(a.ws_a) + wtile * C * C;
     const Elem* galo = static_cast<const Elem*>(a.ws_alo) + wtile * C * C;

@@ -74,11 +74,11 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
   });
 
   auto issue = [&](int64_t ci, int st) {  // in ONE_TILE mode only w of the three [C][KP] tiles
-    issue_chunk<Elem, KP, BV, NT, L::LDK, L::LDB, L::LDA, L::SPLIT_A, L::ONE_TILE, SCAN>(a, rt, ci, stage(st));
+    issue_chunk<Elem, KP, BV, NT, L::LDK, L::LDB, L::LDA, L::SPLIT_A, L::ONE_TILE, SCAN>(a, rt, ci, stage(st), tid);
   };
   auto reload = [&](Elem* dst, void* ws, int64_t ci) {  // ONE_TILE: swap the next tile in
     __syncthreads();
-    copy_ws_tile<Elem, KP, L::LDK, NT>(dst, static_cast<const Elem*>(ws) + ((base + ci) * a.HV + hv) * C * KP, C);
+    copy_ws_tile<Elem, KP, L::LDK, NT>(dst, static_cast<const Elem*>(ws) + ((base + ci) * a.HV + hv) * C * KP, C, tid);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();

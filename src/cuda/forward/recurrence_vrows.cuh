@@ -31,7 +31,7 @@ struct VrowsStep;
 // SCAN as in recurrence_kernel (the context-parallel pre-scan: E from value tiles, M from transition tiles).
 // STATES_ONLY (ForwardArgs::states_only): the chunk-start states without the outputs.
 template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE = false, bool WG = false, bool STATES_ONLY = false>
-__global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV>::THREADS)
+__global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV, ONE_STAGE, WG>::LAUNCH_THREADS)
     recurrence_vrows_kernel(const ForwardArgs a) {
   constexpr bool NO_OUT = SCAN || STATES_ONLY;  // no output products, tiles or stores
   using L = VrowsLayout<sizeof(Elem), KP, BV, ONE_STAGE, WG>;
@@ -76,6 +76,27 @@ __global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV>::THREADS)
                     (!a.has_initial_state.present() || a.has_initial_state.load_int(n) != 0);
   const bool write = !SCAN && c_end == nch_all && a.final_state.present() && slot >= 0;
 
+  // COPIER: warpgroup 1 issues every stage's copies (the NT threads past the products' NT), and one named barrier of
+  // both warpgroups a chunk hands a stage over; otherwise the products' threads copy and a CTA barrier hands over.
+  constexpr bool COPIER = L::COPIER;
+  const bool copier = COPIER && static_cast<int>(threadIdx.x) >= NT;
+  auto issue = [&](int64_t ci, int st) {
+    const int tid = static_cast<int>(threadIdx.x) - (COPIER ? NT : 0);
+    issue_chunk<Elem, KP, BV, NT, L::LDK, L::LDB, L::LDA, L::SPLIT_A, false, NO_OUT, WG>(a, rt, ci, stage(st), tid);
+  };
+  auto handover = [] { asm volatile("bar.sync 1, %0;\n" ::"n"(L::LAUNCH_THREADS) : "memory"); };
+  if (copier) {
+    for (int64_t ci = c_begin; ci < c_end; ++ci) {
+      const int st = static_cast<int>((ci - c_begin) & 1);
+      if (ci == c_begin) issue(ci, 0);
+      cp_async_wait<0>();
+      Step::before_handover();
+      handover();  // chunk ci visible; the products are done with chunk ci - 1's stage
+      if (ci + 1 < c_end) issue(ci + 1, st ^ 1);
+    }
+    return;
+  }
+
   // S^T: accumulator (nd, e) holds value row v0 + row, key col (for_each_acc coordinates). State accesses switch on
   // the dtype once (with_typed), not per element: this code runs once per CTA from a cold instruction cache, and a
   // switch per element made it many times larger.
@@ -99,19 +120,20 @@ __global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV>::THREADS)
     });
   }
 
-  auto issue = [&](int64_t ci, int st) {
-    issue_chunk<Elem, KP, BV, NT, L::LDK, L::LDB, L::LDA, L::SPLIT_A, false, NO_OUT, WG>(a, rt, ci, stage(st));
-  };
   auto decay = [&](const Stage& t) { decay_keys(S, t.gam); };  // S^T = S^T diag(gamma)
 
   const int NCC = C / 8;  // chunk-row n-tiles of this chunk size (WG: 8)
-  if (c_begin < c_end) issue(c_begin, 0);
+  if (!COPIER && c_begin < c_end) issue(c_begin, 0);
   for (int64_t ci = c_begin; ci < c_end; ++ci) {
     const int st = L::STAGES == 2 ? static_cast<int>((ci - c_begin) & 1) : 0;
-    cp_async_wait<0>();
-    Step::before_handover();
-    __syncthreads();  // chunk ci visible; every warp is done with chunk ci-1's stage
-    if (L::STAGES == 2 && ci + 1 < c_end) issue(ci + 1, st ^ 1);
+    if constexpr (COPIER) {
+      handover();
+    } else {
+      cp_async_wait<0>();
+      Step::before_handover();
+      __syncthreads();  // chunk ci visible; every warp is done with chunk ci-1's stage
+      if (L::STAGES == 2 && ci + 1 < c_end) issue(ci + 1, st ^ 1);
+    }
     const Stage t = stage(st);
     const int nrows = static_cast<int>(min(static_cast<int64_t>(C), len - ci * C));
 

@@ -139,6 +139,11 @@ struct VrowsLayout {
   static constexpr int WARPS = BV / 16, THREADS = 32 * WARPS;
   // Two stages (the next chunk's tiles prefetched) for bf16 operands; ONE_STAGE for devices with less shared memory.
   static constexpr int STAGES = (!ONE_STAGE && ELEM_BYTES == 2) ? 2 : 1;
+  // COPIER: a second warpgroup issues the stages' copies, so that the products' warpgroup issues only its own work
+  // (warpgroup MMAs with two stages at 64 columns: the one-warpgroup CTAs; at 128 columns the registers do not allow
+  // a third warpgroup). LAUNCH_THREADS: the CTA.
+  static constexpr bool COPIER = WG && STAGES == 2 && BV == 64;
+  static constexpr int LAUNCH_THREADS = THREADS + (COPIER ? 128 : 0);
   static constexpr bool SPLIT_A = ELEM_BYTES == 2;  // Aqk's lo tile (bf16 operands)
   static constexpr std::size_t stage_bytes() {
     return ELEM_BYTES * std::size_t(3 * 64 * LDK + 64 * LDB + (SPLIT_A ? 2 : 1) * 64 * LDA) + 4 * KP;
