@@ -35,7 +35,7 @@ void launch_backward_scan(const BackwardArgs& a, const BackwardLaunch& bl, cudaS
     auto run = [&](auto kernel, auto go, int BV) {
       const int64_t rows = a.seg_offsets != nullptr ? a.num_segments : a.N;  // CTA rows: segments, or sequences
       if (a.seg_offsets != nullptr) {
-        if (a.cp_phase != kCpFinish) go(kernel(std::true_type()), rows * a.HV * (bl.vt + (KP + BV - 1) / BV));
+        if (a.cp_phase != kCpFinish) go(kernel(std::true_type()), rows * a.HV * (bl.vt + segment_transition_tiles(KP, BV)));
         // A summary without d_initial: the pre-scan alone (its merge and scan serve d_initial only).
         if (a.cp_phase == kCpSummary && !a.d_initial.present()) return;
         static_assert(bwd_merge_smem(KP) == MergeLayout<KP>::bytes(), "the planner's merge size");

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/backward/args.h"
+#include "cuda/cp/segments.h"
 #include "cuda/common/seqlen.cuh"
 
 namespace kdakit::cuda {
@@ -25,7 +26,7 @@ struct ScanTile {
 template <int KP, int BV, bool SCAN>
 __device__ __forceinline__ bool scan_tile(const BackwardArgs& a, ScanTile& s) {
   const int VT = (a.V + BV - 1) / BV;
-  constexpr int XT = SCAN ? (KP + BV - 1) / BV : 0;
+  constexpr int XT = SCAN ? segment_transition_tiles(KP, BV) : 0;
   int64_t idx = blockIdx.x;
   const int tile = static_cast<int>(idx % (VT + XT));
   idx /= VT + XT;

@@ -25,4 +25,8 @@ KDA_HD int64_t segments_of(int64_t nch, int target, int min_chunks, int64_t& per
   return (nch + per - 1) / per;
 }
 
+// The segment pre-scan's transition tiles per (segment, head): the CTAs of BV columns that give M (K of them), at
+// least one however wide the tile (a 128-column tile covers KP = 64).
+constexpr int segment_transition_tiles(int KP, int BV) { return (KP + BV - 1) / BV; }
+
 }  // namespace kdakit::cuda

@@ -36,7 +36,7 @@ void launch_prepare(const ForwardArgs& a, cudaStream_t stream) {
 template <typename Elem, int KP, int BV, bool SCAN, bool ONE_STAGE, bool WG>
 void launch_recurrence_kind(const ForwardArgs& a, cudaStream_t stream) {
   constexpr int EB = sizeof(Elem);
-  const int64_t tiles = (a.V + BV - 1) / BV + (SCAN ? (KP + BV - 1) / BV : 0);
+  const int64_t tiles = (a.V + BV - 1) / BV + (SCAN ? segment_transition_tiles(KP, BV) : 0);
   const int64_t ctas = a.num_segments * a.HV * tiles;
   const size_t bytes = recurrence_bytes<EB, KP, BV, ONE_STAGE, WG>();
   if constexpr (kVrows<KP, BV, WG>) {

@@ -6,6 +6,7 @@
 #include "cuda/common/seqlen.cuh"
 #include "cuda/common/sm80/mma.cuh"
 #include "cuda/common/sm90/gmma.cuh"
+#include "cuda/cp/segments.h"
 #include "cuda/forward/args.h"
 #include "cuda/forward/tile_size.h"
 
@@ -41,7 +42,7 @@ template <int KP, int BV, bool SCAN>
 __device__ __forceinline__ bool recurrence_tile(const ForwardArgs& a, RecurrenceTile& w) {
   const int C = a.chunk;
   w.VT = (a.V + BV - 1) / BV;
-  const int TILES = SCAN ? w.VT + (KP + BV - 1) / BV : w.VT;  // a 128-column tile covers KP = 64
+  const int TILES = SCAN ? w.VT + segment_transition_tiles(KP, BV) : w.VT;
   int64_t idx = blockIdx.x;
   w.tile = static_cast<int>(idx % TILES);
   idx /= TILES;

@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/plan.h"
+#include "cuda/cp/segments.h"
 #include "cuda/device.h"
 #include "cuda/forward/plan.h"
 #include "cuda/tuning.h"
@@ -115,6 +117,21 @@ TEST(ForwardPlan, FewHeadsCutLongSequences) {
   Tuning off;
   off.forward_segments = 1;
   EXPECT_EQ(c.plan(kH200, off).seg_target, 1);
+}
+
+// The pre-scan runs at least one transition tile per (segment, head) however wide the tile: K <= 64 keys with
+// 64 < V <= 128 cut into 128-column tiles on Hopper (bf16), whose one transition tile covers the 64 keys.
+TEST(ForwardPlan, CutsRunTransitionTilesForEveryKey) {
+  const ForwardLaunch f = ForwardCase(1, 65536, 8, 8, 64, 128).plan();
+  ASSERT_GT(f.seg_target, 1);
+  EXPECT_EQ(f.cfg.BV, 128);
+  EXPECT_EQ(f.cfg.KP, 64);
+  EXPECT_EQ(cuda::segment_transition_tiles(f.cfg.KP, f.cfg.BV), 1);
+  EXPECT_EQ(f.seg_ld, 128 + 64) << "one 128-column value tile, then the 64 keys' columns of M";
+  for (const auto& [kp, bv, tiles] : std::vector<std::tuple<int, int, int>>{
+           {64, 128, 1}, {64, 64, 1}, {128, 128, 1}, {128, 64, 2}, {128, 16, 8}, {256, 32, 8}}) {
+    EXPECT_EQ(cuda::segment_transition_tiles(kp, bv), tiles) << kp << " keys, " << bv << " columns";
+  }
 }
 
 TEST(ForwardPlan, KnownVarlenLengthsRunLongestFirstWithTheEstimatedWidth) {
