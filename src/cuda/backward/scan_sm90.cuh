@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
   });
   // One hand-over a chunk (barrier 1 of both warpgroups): chunk ci's tiles and dO are visible, and every warp is done
   // with chunk ci + 1's stage and dO buffer, which then take chunk ci - 1's.
-  auto handover = [] { asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory"); };
+  auto handover = [] { sm90::handover_barrier<NT>(); };
   if (copier) {
     for (int ci = st.c_end - 1; ci >= st.c_begin; --ci) {
       const int s = (st.c_end - 1 - ci) & 1;

@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV, ONE_STAGE, W
     const int tid = static_cast<int>(threadIdx.x) - (COPIER ? NT : 0);
     issue_chunk<Elem, KP, BV, NT, L::LDK, L::LDB, L::LDA, L::SPLIT_A, false, NO_OUT, WG>(a, rt, ci, stage(st), tid);
   };
-  auto handover = [] { asm volatile("bar.sync 1, %0;\n" ::"n"(L::LAUNCH_THREADS) : "memory"); };
+  auto handover = [] { sm90::handover_barrier<L::LAUNCH_THREADS>(); };
   if (copier) {
     for (int64_t ci = c_begin; ci < c_end; ++ci) {
       const int st = static_cast<int>((ci - c_begin) & 1);

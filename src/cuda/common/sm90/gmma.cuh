@@ -96,10 +96,11 @@ __device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int
     if (r + i * RS < C) cp_async16(d + i * step, g + i * RS * KC);
   }
 }
-// The same by the CTA's first NT threads.
-template <typename Elem, int KC, int NT>
-__device__ __forceinline__ void copy_ws_swizzled(Elem* dst, const Elem* src, int C) {
-  copy_ws_swizzled<Elem, KC, NT>(dst, src, C, static_cast<int>(threadIdx.x));
+// Named barrier 1 over the CTA's first THREADS threads: the stage hand-over between a warpgroup that copies and one
+// that computes (the kernels keep barrier 0, __syncthreads, for whole-CTA steps).
+template <int THREADS>
+__device__ __forceinline__ void handover_barrier() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory");
 }
 
 // d += A B for a 64 x N tile (N = 64 or 128), A from registers, B through a descriptor of the given major mode.
