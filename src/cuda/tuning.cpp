@@ -45,6 +45,8 @@ Tuning Tuning::from_environment() {
   t.decode_one_staged = std::getenv("KDAKIT_DECODE_ONE_STAGED") != nullptr ? (env_int("KDAKIT_DECODE_ONE_STAGED", 1) != 0) : -1;
   t.decode_vt_inner = env_int("KDAKIT_DECODE_VT_INNER", -1);
   t.decode_kv_regs = env_int("KDAKIT_DECODE_KV_REGS", 1) != 0;
+  t.decode_wide_kv =
+      std::getenv("KDAKIT_DECODE_WIDE_KV") != nullptr ? env_choice("KDAKIT_DECODE_WIDE_KV", {0, 4, 8}) : -1;
   const char* ahead = std::getenv("KDAKIT_DECODE_PREFETCH");
   t.decode_prefetch = ahead != nullptr ? std::strtof(ahead, nullptr) : 1.f;
   return t;

@@ -35,6 +35,8 @@ struct Tuning {
   float decode_prefetch = 1.f;    // CTAs per SM
   int decode_one_staged = -1;     // < 0: the planner's choice
   bool decode_kv_regs = true;     // false: bf16 [K,V] multi-token tiles pass by pass (DecodeLaunch::kv_regs)
+  int decode_wide_kv = -1;        // < 0: the planner's choice; 0: never the wide bf16 [K,V] tiles; 4 or 8: their
+                                  // columns per thread (DecodeConfig::wide_kv)
   int decode_vt_inner = -1;       // 0: V tiles in blockIdx.z; else the planner's choice (DecodeLaunch::vt_shift)
 
   static Tuning from_environment();

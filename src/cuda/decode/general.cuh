@@ -8,6 +8,7 @@
 #include "cuda/decode/inputs.cuh"
 #include "cuda/decode/one_token.cuh"
 #include "cuda/decode/token_math.cuh"
+#include "cuda/decode/wide_kv.cuh"
 
 namespace kdakit::cuda {
 
@@ -17,9 +18,11 @@ namespace kdakit::cuda {
 // [K,V] tiles at KP = 128 (row-segment offsets beside whole tiles, per-row masks beside others) take up to 128
 // (four CTAs).
 // bf16 [K,V] whole tiles at KP = 128 hold two passes' states across tokens (KV_REGS below): three CTAs (up to 168
-// registers), without spills.
-template <typename PoolT, bool VK, int KP, bool FULL>
+// registers), without spills. WIDE (wide_kv.cuh): 16 WIDE fp32 state registers per thread, two CTAs at 8 columns,
+// four at 4.
+template <typename PoolT, bool VK, int KP, bool FULL, int WIDE>
 constexpr int decode_min_blocks() {
+  if (WIDE) return WIDE == 8 ? 2 : 4;
   if (!VK && KP == 128 && FULL && !std::is_same<PoolT, float>::value) return 3;
   return KP > 128 ? 2 : (!VK && KP == 128 ? 4 : 5);
 }
@@ -58,12 +61,17 @@ __device__ __forceinline__ int later_read_slot(const DecodeArgs& a, unsigned& hv
 // ONE (the host checked DecodeConfig::one's conditions): sequences of one token take decode_one_token, whose
 // register preparation holds q, k and the gate of a thread's keys beside its state (up to 128 registers: four CTAs
 // per SM); longer ones (varlen calls whose lengths the host could not read) the general path.
-template <typename PoolT, bool VK, int KP, bool FULL, bool ONE>
+//
+// WIDE (DecodeConfig::wide_kv, FULL bf16 [K,V] at KP = 128; 0: not wide): columns per thread; the state in registers
+// across tokens, 16 WIDE columns per CTA, loaded and stored by its threads (wide_kv.cuh); not staged.
+template <typename PoolT, bool VK, int KP, bool FULL, bool ONE, int WIDE = 0>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
-                                  (ONE ? 4 : decode_min_blocks<PoolT, VK, KP, FULL>()))
+                                  (ONE ? 4 : decode_min_blocks<PoolT, VK, KP, FULL, WIDE>()))
     decode_kernel(const DecodeArgs a) {
   using namespace decode_detail;
   static_assert(!(ONE && FULL), "the one-token form falls back to the general (masked) path");
+  static_assert(WIDE == 0 || (FULL && !VK && KP == 128 && std::is_same<PoolT, __nv_bfloat16>::value),
+                "wide tiles: whole bf16 [K,V] tiles at K = 128");
   if constexpr (ONE) {
     if (a.one.staged() ? decode_one_call<PoolT, VK, KP, true>(a.one)
                          : decode_one_call<PoolT, VK, KP, false>(a.one)) {
@@ -75,7 +83,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   constexpr int MC = kDecodeMaxTileCols / 32;  // tile columns per lane in the preparation
   // FULL: K, V and the staging are known to the compiler (V only through "every tile is whole"). [K,V] tiles are
   // staged only whole (by rows, FULL); masked ones are read from global memory.
-  const bool stage_state = FULL || (VK && a.stage_state);
+  const bool stage_state = WIDE == 0 && (FULL || (VK && a.stage_state));
   const int Kc = FULL ? KP : a.K, Vc = FULL ? (1 << 30) : a.V;
   const int nthreads = blockDim.x, nw = nthreads >> 5, bv = nw * kDecodeWarpCols;
   const int passes = a.passes, bvt = bv * passes;  // columns per pass; columns of the CTA tile
@@ -219,7 +227,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
   // dtype, so a bf16 pool's longer sequences take the passes one by one instead (the state in fp32 registers across
   // tokens), each pass its own tile (or, with KV_REGS, all passes' tiles at once).
   constexpr bool ROWS = FULL && !VK;
-  const bool whole = ROWS && !a.kv_regs && (std::is_same<PoolT, float>::value || len <= 1);  // CTA-uniform
+  const bool whole = WIDE == 0 && ROWS && !a.kv_regs && (std::is_same<PoolT, float>::value || len <= 1);  // CTA-uniform
   const int tile_vecs = L::NVEC * nthreads * 16 + (ROWS ? int(kDecodeKvRowPad) : 0);  // bytes of one pass
   char* sTile = smem + lay.state;
   // Where a warp's vectors lie (FULL: K = KP and no masks, so offsets and bounds are compile-time where possible).
@@ -400,6 +408,34 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
       if (col0 + c < Vc) a.out.store(a.out.offset(b, int64_t(t0) + i0 + r, hv) + col0 + c, sV[r * bvt + c]);
     }
   };
+
+  // WIDE: tokens outer, the state in fp32 registers across tokens, every state output stored from them.
+  if constexpr (WIDE > 0) {
+    const int c = wide_kv_col<WIDE>(warp, lane);
+    float S[WIDE][KP / 8];
+    auto put = [&](const StateRef& st, int64_t block) {
+      wide_kv_store<KP, WIDE>(static_cast<PoolT*>(st.p) + block + col0, a.V, c, lane, S);
+    };
+    {
+      typename WideKvTile<KP, WIDE>::Raw raw[KP / 8];
+      if (has_src) wide_kv_load<KP, WIDE>(src() + col0, a.V, c, lane, raw);
+      if (len > 0) prepare(0, static_cast<int>(len < tb ? len : tb), true);  // under the state loads
+      wide_kv_widen<KP, WIDE>(raw, has_src, S);
+    }
+    for (int i0 = 0; i0 < len; i0 += tb) {
+      const int nb = static_cast<int>(len - i0 < tb ? len - i0 : tb);
+      if (i0 > 0) prepare(i0, nb, false);
+      for (int tt = 0; tt < nb; ++tt) {
+        wide_kv_token<KP, WIDE>(S, sQ + tt * KP, sK + tt * KP, sA + tt * KP, sV + tt * bvt, sB + tt * bvt, sQK[tt], c,
+                                lane);
+        if (a.token_states.present()) put(a.token_states, a.token_states.block(int64_t(b) * a.T + t0 + i0 + tt, hv));
+        if (per_token && sSlot[tt] >= 0) put(a.final_state, a.final_state.block(sSlot[tt], hv));
+      }
+      flush_outputs(i0, nb, 0, bvt);
+    }
+    if (wslot >= 0) put(a.final_state, a.final_state.block(wslot, hv));
+    return;
+  }
 
   // bf16 [K,V] whole tiles of longer sequences at one or two passes (KV_REGS, the host's choice): tokens outer, every
   // pass's state in fp32 registers across tokens (so the per-pass order's numbers, to the bit), each state output

@@ -18,6 +18,10 @@ void launch_decode_kernel(const DecodeArgs& a, const DecodeConfig& cfg, cudaStre
   const dim3 grid(a.one.vt_shift() > 0 ? rows << a.one.vt_shift() : rows, static_cast<unsigned>(a.HV),
                   a.one.vt_shift() > 0 ? 1u : static_cast<unsigned>(a.vtiles));
   auto kernel = cfg.full ? decode_kernel<PoolT, VK, KP, true, false> : decode_kernel<PoolT, VK, KP, false, false>;
+  if constexpr (!VK && KP == 128 && std::is_same<PoolT, __nv_bfloat16>::value) {
+    if (cfg.wide_kv == 8) kernel = decode_kernel<PoolT, VK, KP, true, false, 8>;
+    if (cfg.wide_kv == 4) kernel = decode_kernel<PoolT, VK, KP, true, false, 4>;
+  }
   bool one_entry = false;
   if constexpr (KP <= 128) {
     one_entry = cfg.one_entry;

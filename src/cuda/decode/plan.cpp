@@ -216,6 +216,20 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
   d.kv_regs = cfg.full && !cfg.one && !vk && d.bf16_pool && cfg.KP == 128 && longest > 1 && passes <= 2 &&
               kv_regs_smem <= kDecodeSmemLimit && tuning.decode_kv_regs;
   if (d.kv_regs) cfg.smem = kv_regs_smem;
+  // ... or, at four warps and whole wide tiles, the wide tiles: the state loaded and every state output stored by the
+  // threads holding it, no staging (DecodeConfig::wide_kv).
+  const int wide_nj = tuning.decode_wide_kv < 0 ? 8 : tuning.decode_wide_kv;
+  const int wide_cols = decode_wide_kv_cols(wide_nj);
+  const int wide_passes = wide_cols / bv;
+  if (wide_nj > 0 && cfg.full && !cfg.one && !vk && d.bf16_pool && cfg.KP == 128 && longest > 1 &&
+      warps == kDecodeMaxWarps && pr.V % wide_cols == 0 &&
+      (tuning.decode_passes == 0 || tuning.decode_passes == wide_passes)) {
+    cfg.wide_kv = wide_nj;
+    d.kv_regs = false;
+    cfg.passes = wide_passes;
+    d.vtiles = static_cast<int>(pr.V / wide_cols);
+    cfg.smem = DecodeSmem(cfg.KP, d.tb, wide_cols, 0).total;
+  }
   // Staged tiles on Hopper (the one-token form's, and the general form's whole tiles): each CTA prefetches into L2
   // (bulk prefetch) the tile of the CTA one per SM later in launch order (Tuning::decode_prefetch CTAs per SM; 0: off;
   // the results do not change). Not with kv_regs: those three-CTA launches were slower with it (docs/perf-notes.md).

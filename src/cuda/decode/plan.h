@@ -26,6 +26,9 @@ struct DecodeConfig {
                            // dtype, 1-D or no slot indices, no per-token states
   bool one_entry = false;  // ... and every sequence is known to have at most one token: decode_one_kernel
   bool one_staged = false; // the one-token form stages the state in shared memory (always with passes > 1)
+  int wide_kv = 0;          // bf16 [K,V] whole tiles at K = 128 of multi-token sequences: columns per thread (4 or 8;
+                           // 0: not wide), 16 times as many per CTA, the state in registers across tokens and stored
+                           // by the threads holding it (wide_kv.cuh; a FULL form, not staged)
 };
 
 struct DecodeLaunch {

@@ -15,6 +15,10 @@ constexpr int kDecodeWarpCols = 8;
 constexpr int kDecodeMaxWarps = 4;
 constexpr int kDecodeMaxPasses = 4;
 constexpr int kDecodeMaxTileCols = kDecodeMaxWarps * kDecodeWarpCols * kDecodeMaxPasses;
+// The wide [K,V] form's CTA tile (DecodeConfig::wide_kv): `nj` (4 or 8) columns per lane, 4 lanes per row piece,
+// 4 warps: the general form's tile at 4 warps and nj / 2 passes.
+KDA_HD constexpr int decode_wide_kv_cols(int nj) { return nj * 4 * kDecodeMaxWarps; }
+static_assert(decode_wide_kv_cols(8) == kDecodeMaxTileCols, "a wide tile is a general form's tile");
 // Dynamic shared memory a decode launch takes without opting in to more.
 constexpr std::size_t kDecodeSmemLimit = 48 * 1024;
 

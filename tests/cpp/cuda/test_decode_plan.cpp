@@ -112,15 +112,54 @@ TEST(DecodePlan, VerifyWithTwoDimensionalIndicesTakesTheWholeTileForm) {
   EXPECT_EQ(c.plan(kA100).prefetch_ahead, 0);
 }
 
-TEST(DecodePlan, Bf16KvVerifyHoldsBothPassesInRegisters) {
+// Verify of 1024 sequences with [N, 4] slot ids and accepted counts on a bf16 [K,V] pool, K = V = 128.
+DecodeCase bf16_kv_verify() {
   DecodeCase c(1024, 4, 32, 32, DType::kBFloat16);
   c.p.state.layout = StateLayout::kKV;
   const TensorView pool = device_view(DType::kBFloat16, {1024 * 4, 32, 128, 128});
   c.p.state.initial_state = c.p.state.final_state = pool;
   c.p.state.state_indices = device_view(DType::kInt32, {1024, 4});
   c.p.num_accepted_tokens = device_view(DType::kInt32, {1024});
-  const DecodeLaunch d = c.plan();
+  return c;
+}
+
+TEST(DecodePlan, Bf16KvVerifyTakesWideTiles) {
+  const DecodeCase c = bf16_kv_verify();
+  const DecodeLaunch w = c.plan();
+  EXPECT_TRUE(w.cfg.full);
+  EXPECT_EQ(w.cfg.wide_kv, 8);
+  EXPECT_FALSE(w.kv_regs);
+  EXPECT_EQ(w.cfg.warps, 4);
+  EXPECT_EQ(w.cfg.passes, 4);  // one CTA tile of 128 columns
+  EXPECT_EQ(w.vtiles, 1);
+  EXPECT_EQ(w.cfg.smem, cuda::DecodeSmem(128, 4, 128, 0).total);  // the token rows only: the state is not staged
+  EXPECT_EQ(w.prefetch_ahead, 132);
+  Tuning t;
+  t.decode_passes = 4;  // the pass override at the wide tile's own count keeps it
+  EXPECT_EQ(c.plan(kH200, t).cfg.wide_kv, 8);
+  t.decode_passes = 2;
+  EXPECT_EQ(c.plan(kH200, t).cfg.wide_kv, 0);
+  t.decode_passes = 0;
+  t.decode_wide_kv = 4;  // 4 columns per thread: 64 per CTA
+  const DecodeLaunch w4 = c.plan(kH200, t);
+  EXPECT_EQ(w4.cfg.wide_kv, 4);
+  EXPECT_EQ(w4.cfg.passes, 2);
+  EXPECT_EQ(w4.vtiles, 2);
+  EXPECT_EQ(w4.cfg.smem, cuda::DecodeSmem(128, 4, 64, 0).total);
+  // V = 96: not whole 128-column tiles.
+  DecodeCase odd(64, 4, 16, 16, DType::kBFloat16, 128, 96);
+  odd.p.state.layout = StateLayout::kKV;
+  odd.p.state.initial_state = odd.p.state.final_state = device_view(DType::kBFloat16, {64, 16, 128, 96});
+  EXPECT_EQ(odd.plan().cfg.wide_kv, 0);
+}
+
+TEST(DecodePlan, Bf16KvVerifyHoldsBothPassesInRegisters) {
+  const DecodeCase c = bf16_kv_verify();
+  Tuning staged;
+  staged.decode_wide_kv = 0;
+  const DecodeLaunch d = c.plan(kH200, staged);
   EXPECT_TRUE(d.cfg.full);
+  EXPECT_EQ(d.cfg.wide_kv, 0);
   EXPECT_EQ(d.cfg.passes, 2);  // four passes in registers would not fit; pass by pass they were slower
   EXPECT_TRUE(d.kv_regs);
   EXPECT_EQ(d.prefetch_ahead, 0);  // no L2 prefetch for these three-CTA launches (slower with it)
@@ -129,6 +168,7 @@ TEST(DecodePlan, Bf16KvVerifyHoldsBothPassesInRegisters) {
   EXPECT_EQ(d.vtiles, 2);
   EXPECT_EQ(d.vt_shift, 1);  // the two V tiles of a state block next to each other in launch order
   Tuning t;
+  t.decode_wide_kv = 0;
   t.decode_kv_regs = false;
   t.decode_vt_inner = 0;
   const DecodeLaunch o = c.plan(kH200, t);

@@ -6,8 +6,8 @@ import torch
 
 import kdakit
 from conftest import rel_rms, same_bits
-from decode_cases import (make, oracle, final, kv, tol, close, make_pool, call, across_prefetch_distances,
-                          zero_padding, h0_from_pool, DEV, fla_decode, needs_fla)
+from decode_cases import (make, oracle, final, kv, tol, close, make_pool, call, call_on_copy,
+                          across_prefetch_distances, zero_padding, h0_from_pool, DEV, fla_decode, needs_fla)
 
 pytestmark = pytest.mark.skipif(not kdakit.cuda_available(),
                                 reason="no CUDA device, or kdakit was built without CUDA kernels")
@@ -335,6 +335,67 @@ def test_prefetch_distance_does_not_change_verify_results(seed, monkeypatch, v_f
     named[w[(w >= 0) & (w < P)].long()] = True
     assert same_bits(base_pool[~named], pool[~named]), "slots no token writes stay untouched"
     assert torch.equal(base_out[~live], torch.zeros_like(base_out[~live])), "padding sequences output zeros"
+
+
+@pytest.mark.parametrize("nj", ["8", "4"])
+@pytest.mark.parametrize("V", [128, 256])
+def test_wide_kv_tiles_agree(seed, monkeypatch, V, nj):
+    """The wide bf16 [K,V] tiles (K = 128, nj columns per thread, the state loaded and stored by the threads holding
+    it: src/cuda/decode/wide_kv.cuh; KDAKIT_DECODE_WIDE_KV=nj) against the float64 oracle, and to the bit with the
+    staged tiles (KDAKIT_DECODE_WIDE_KV=0) and, for the one-token sequence, the one-token form: verify with [N, T]
+    indices and accepted counts (a padding sequence, a skipped write, a one-token sequence), and long varlen sequences
+    in place on the pool (several staged batches, an empty sequence)."""
+    HV, K = 4, 128
+    lens2, Tm = [4, 1, 3, 4, 2], 4
+    x2 = make(lens2, 2, HV, K, V, dtype=torch.bfloat16)
+    P = 4 * len(lens2) * Tm
+    idx2 = torch.randperm(P, device=DEV)[:len(lens2) * Tm].reshape(len(lens2), Tm).to(torch.int32)
+    acc2 = torch.tensor([4, 1, 2, 3, 2], device=DEV, dtype=torch.int32)
+    idx2[3, 2] = -1  # a padding sequence (its read slot)
+    idx2[0, 2] = -1  # a token whose state is not written
+    read = [idx2[n, acc2[n] - 1].item() for n in range(len(lens2))]
+    pool2 = make_pool(P, HV, K, V, torch.bfloat16, False, [r for r in read if r >= 0])
+    lens3 = [17, 0, 1, 40]
+    x3 = make(lens3, 2, HV, K, V, dtype=torch.bfloat16)
+    idx3 = torch.randperm(2 * len(lens3), device=DEV)[:len(lens3)].to(torch.int32)
+    pool3 = make_pool(2 * len(lens3), HV, K, V, torch.bfloat16, False, idx3)
+
+    def run_all():
+        _, o2, p2 = call_on_copy(x2, pool2, state_v_first=False, ssm_state_indices=idx2, num_accepted_tokens=acc2)
+        _, o3, p3 = call_on_copy(x3, pool3, state_v_first=False, ssm_state_indices=idx3)
+        return [o2, p2, o3, p3]
+
+    monkeypatch.setenv("KDAKIT_DECODE_WIDE_KV", nj)
+    wide = run_all()
+    o2, p2, o3, p3 = wide
+    ro, rs = oracle(x2, h0_from_pool(pool2, read, False))
+    ro = zero_padding(ro, x2, read)
+    close("o (T=4)", o2, ro, tol(x2))
+    written = torch.zeros(P, dtype=torch.bool, device=DEV)
+    for n in range(len(lens2)):
+        if read[n] < 0:
+            continue
+        for t in range(lens2[n]):
+            s = idx2[n, t].item()
+            if s >= 0:
+                written[s] = True
+                close(f"slot of sequence {n}, token {t}", kv(p2[s], False), rs[n][t], tol(x2, torch.bfloat16))
+    assert same_bits(p2[~written], pool2[~written]), "slots no token writes stay untouched"
+    h0 = h0_from_pool(pool3, idx3.tolist(), False)
+    ro, rs = oracle(x3, h0)
+    close("o (varlen)", o3, ro, tol(x3))
+    close("ht (varlen)", kv(p3[idx3.long()], False), final(rs, h0), tol(x3, torch.bfloat16))
+    monkeypatch.setenv("KDAKIT_DECODE_WIDE_KV", "0")
+    staged = run_all()
+    for i, (w, s) in enumerate(zip(wide, staged)):
+        assert same_bits(w, s), f"result {i}: the wide tiles and the staged ones differ"
+    # The one-token sequence (n = 1) alone takes the one-token form.
+    s = slice(4, 5)
+    alone = dict(x2, q=x2["q"][:, s], k=x2["k"][:, s], v=x2["v"][:, s], g=x2["g"][:, s], beta=x2["beta"][:, s],
+                 cu=None)
+    _, o1, p1 = call_on_copy(alone, pool2, state_v_first=False, ssm_state_indices=idx2[1:2, 0])
+    assert same_bits(o1, o2[:, s]), "the one-token form's output differs from the wide tiles'"
+    assert same_bits(p1[idx2[1, 0].long()], p2[idx2[1, 0].long()]), "the one-token form's state differs"
 
 
 # (warps, passes, general): general "1" forces the masked form where the whole-tile (FULL) form would run.
