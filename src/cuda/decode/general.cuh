@@ -369,33 +369,21 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
     const float* k = sK + tt * KP;
     const float* g = sA + tt * KP;
     const float qk = sQK[tt];
-    const int64_t orow = OUT_VIA_SMEM ? 0 : a.out.offset(b, int64_t(t0) + i0 + tt, hv) + col0;
-    float e[NJ], out[NJ];
-    bool leader = false;
-    token_sums_e<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
-      const int d = key_unit<L, VK>(dd, lane);
-      load_keys<GRP>(g + d, g_);
-      load_keys<GRP>(k + d, k_);
-      load_keys<GRP>(q + d, q_);
-    }, [&](int jj, float pk, float pq, bool store) {
-      const int cl = pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane);  // column within the CTA tile
-      const float ej = sB[tt * bvt + cl] * (sV[tt * bvt + cl] - pk);
-      if constexpr (OUT_VIA_SMEM) {
-        out[jj] = fmaf(qk, ej, pq);
-        leader = store;
-      } else if (store && col0 + cl < Vc) {
-        a.out.store(orow + cl, fmaf(qk, ej, pq));
-      }
-      return ej;
-    }, e);
     if constexpr (OUT_VIA_SMEM) {
-      __syncwarp();  // the column group's reads of v are done
-      if (leader) {
-#pragma unroll
-        for (int jj = 0; jj < NJ; ++jj) sV[tt * bvt + pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane)] = out[jj];
-      }
+      token_step_smem_out<L, L, VK>(S, q, k, g, sV + tt * bvt, sB + tt * bvt, qk, [&](int jj) {
+        return pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane);  // column within the CTA tile
+      });
+    } else {
+      const int64_t orow = a.out.offset(b, int64_t(t0) + i0 + tt, hv) + col0;
+      float e[NJ];
+      token_sums_e<L, VK>(S, staged_keys<L, VK>(q, k, g, lane), [&](int jj, float pk, float pq, bool store) {
+        const int cl = pc0 + warp * kDecodeWarpCols + col_of<L, VK>(jj, lane);  // column within the CTA tile
+        const float ej = sB[tt * bvt + cl] * (sV[tt * bvt + cl] - pk);
+        if (store && col0 + cl < Vc) a.out.store(orow + cl, fmaf(qk, ej, pq));
+        return ej;
+      }, e);
+      token_update<L>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_unit<L, VK>(dd, lane), k_); }, e);
     }
-    token_update<L>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_unit<L, VK>(dd, lane), k_); }, e);
   };
   // With OUT_VIA_SMEM, the outputs of tokens [i0, i0 + nb) in tile columns [c_lo, c_hi) from shared memory
   // (CTA-uniform calls: the barrier publishes every warp's outputs; the next batch's staging waits at its own barrier).
@@ -426,8 +414,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32,
       const int nb = static_cast<int>(len - i0 < tb ? len - i0 : tb);
       if (i0 > 0) prepare(i0, nb, false);
       for (int tt = 0; tt < nb; ++tt) {
-        wide_kv_token<KP, WIDE>(S, sQ + tt * KP, sK + tt * KP, sA + tt * KP, sV + tt * bvt, sB + tt * bvt, sQK[tt], c,
-                                lane);
+        wide_kv_token<KP, WIDE>(S, sQ + tt * KP, sK + tt * KP, sA + tt * KP, sV + tt * bvt, sB + tt * bvt, sQK[tt], c);
         if (a.token_states.present()) put(a.token_states, a.token_states.block(int64_t(b) * a.T + t0 + i0 + tt, hv));
         if (per_token && sSlot[tt] >= 0) put(a.final_state, a.final_state.block(sSlot[tt], hv));
       }

@@ -94,4 +94,44 @@ __device__ __forceinline__ void token_update(float (&S)[L::NJ][L::ND], const Key
   }
 }
 
+// token_sums_e's `keys` for the general form's staged key rows q, k, g (KeyL's read order, key_unit).
+template <typename KeyL, bool VK>
+__device__ __forceinline__ auto staged_keys(const float* q, const float* k, const float* g, int lane) {
+  constexpr int GRP = KeyL::GRP;
+  return [=](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
+    const int d = key_unit<KeyL, VK>(dd, lane);
+    load_keys<GRP>(g + d, g_);
+    load_keys<GRP>(k + d, k_);
+    load_keys<GRP>(q + d, q_);
+  };
+}
+
+// One token on a thread's part of the state with its outputs through shared memory (bf16 pools): the sums, e and
+// the output o = qk e + qS per column, then the update. q, k, g: the token's prepared key rows, stored in KeyL's read
+// order (key_unit); v, beta: its rows of the CTA tile's columns, col(jj) the column of the thread's slot jj there; v is
+// replaced by the outputs (each column's v is read only by the lanes of its column group, one warp, before the
+// __syncwarp). SL: the thread's share of the state (its NJ columns and ND keys; KeyL's keys).
+template <typename KeyL, typename SL, bool VK, typename Col>
+__device__ __forceinline__ void token_step_smem_out(float (&S)[SL::NJ][SL::ND], const float* q, const float* k,
+                                                    const float* g, float* v, const float* beta, float qk,
+                                                    const Col& col) {
+  constexpr int GRP = KeyL::GRP, NJ = SL::NJ;
+  const int lane = threadIdx.x & 31;
+  float e[NJ], out[NJ];
+  bool leader = false;
+  token_sums_e<SL, VK>(S, staged_keys<KeyL, VK>(q, k, g, lane), [&](int jj, float pk, float pq, bool store) {
+    const int cl = col(jj);
+    const float ej = beta[cl] * (v[cl] - pk);
+    out[jj] = fmaf(qk, ej, pq);
+    leader = store;
+    return ej;
+  }, e);
+  __syncwarp();  // the column group's reads of v are done
+  if (leader) {
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj) v[col(jj)] = out[jj];
+  }
+  token_update<SL>(S, [&](int dd, float (&k_)[GRP]) { load_keys<GRP>(k + key_unit<KeyL, VK>(dd, lane), k_); }, e);
+}
+
 }  // namespace kdakit::cuda::decode_detail

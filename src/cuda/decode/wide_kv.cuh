@@ -28,7 +28,7 @@ struct WideKvTile {
 template <int NJ>
 __device__ __forceinline__ int wide_kv_col(int warp, int lane) { return (warp * 4 + (lane & 3)) * NJ; }
 
-// The thread's 16-byte row pieces of a state block (`rows`: the block's first element plus the CTA's first column,
+// The thread's row pieces of a state block (`rows`: the block's first element plus the CTA's first column,
 // V elements per row): issued here, widened by wide_kv_widen once they are needed.
 template <int KP, int NJ>
 __device__ __forceinline__ void wide_kv_load(const __nv_bfloat16* rows, int V, int c, int lane,
@@ -84,33 +84,12 @@ __device__ __forceinline__ void wide_kv_store(__nv_bfloat16* rows, int V, int c,
   }
 }
 
-// One token on the thread's part of the state. q, k, g: the token's prepared key rows (read order, key_unit); v, beta:
-// its rows of the CTA tile's columns, v replaced by the outputs (each column's v is read only by the lanes of its
-// column group, one warp, before the __syncwarp); qk: q.k. The finish is the general form's (o = qk e + qS).
+// One token on the thread's part of the state (token_step_smem_out; c: the thread's first column in the CTA tile).
 template <int KP, int NJ>
 __device__ __forceinline__ void wide_kv_token(float (&S)[NJ][KP / 8], const float* q, const float* k, const float* g,
-                                              float* v, const float* beta, float qk, int c, int lane) {
-  using W = WideKvTile<KP, NJ>;
-  using L = Tile<__nv_bfloat16, false, KP>;
-  float e[NJ], out[NJ];
-  bool leader = false;
-  token_sums_e<W, false>(S, [&](int dd, float (&q_)[4], float (&k_)[4], float (&g_)[4]) {
-    const int d = key_unit<L, false>(dd, lane);
-    load_keys<4>(g + d, g_);
-    load_keys<4>(k + d, k_);
-    load_keys<4>(q + d, q_);
-  }, [&](int jj, float pk, float pq, bool store) {
-    const float ej = beta[c + jj] * (v[c + jj] - pk);
-    out[jj] = fmaf(qk, ej, pq);
-    leader = store;
-    return ej;
-  }, e);
-  __syncwarp();
-  if (leader) {
-#pragma unroll
-    for (int jj = 0; jj < NJ; ++jj) v[c + jj] = out[jj];
-  }
-  token_update<W>(S, [&](int dd, float (&k_)[4]) { load_keys<4>(k + key_unit<L, false>(dd, lane), k_); }, e);
+                                              float* v, const float* beta, float qk, int c) {
+  token_step_smem_out<Tile<__nv_bfloat16, false, KP>, WideKvTile<KP, NJ>, false>(S, q, k, g, v, beta, qk,
+                                                                                 [c](int jj) { return c + jj; });
 }
 
 }  // namespace kdakit::cuda::decode_detail
