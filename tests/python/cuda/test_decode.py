@@ -398,6 +398,59 @@ def test_wide_kv_tiles_agree(seed, monkeypatch, V, nj):
     assert same_bits(p1[idx2[1, 0].long()], p2[idx2[1, 0].long()]), "the one-token form's state differs"
 
 
+@pytest.mark.parametrize("V", [128, 256])
+def test_bf16_per_token_states(seed, monkeypatch, V):
+    """Per-token states in bf16 from a bf16 [K,V] pool (the C++ API's DecodeParams::token_states; the Python front end
+    allocates them in float32, so the call's buffer is swapped here): verify with [N, T] indices and accepted counts,
+    where the wide tiles store every token's state from registers. Against the float64 oracle, to the bit with the
+    staged tiles (KDAKIT_DECODE_WIDE_KV=0), and to the bit with float32 per-token states rounded to bf16."""
+    import kdakit.fused_recurrent as front
+    HV, K, lens, Tm = 4, 128, [4, 1, 3, 4, 2], 4
+    x = make(lens, 2, HV, K, V, dtype=torch.bfloat16)
+    P = 4 * len(lens) * Tm
+    idx = torch.randperm(P, device=DEV)[:len(lens) * Tm].reshape(len(lens), Tm).to(torch.int32)
+    acc = torch.tensor([4, 1, 2, 3, 2], device=DEV, dtype=torch.int32)
+    idx[3, 2] = -1  # a padding sequence (its read slot)
+    read = [idx[n, acc[n] - 1].item() for n in range(len(lens))]
+    pool = make_pool(P, HV, K, V, torch.bfloat16, False, [r for r in read if r >= 0])
+    real = front.recurrent_into
+
+    def run(token_dtype):
+        seen = {}
+
+        def swapped(*args):  # recurrent_into's arguments: token_states is the 11th
+            args = list(args)
+            if token_dtype is not None:
+                args[10] = torch.full_like(args[10], float("nan"), dtype=token_dtype)
+            seen["states"] = args[10]
+            real(*args)
+
+        monkeypatch.setattr(front, "recurrent_into", swapped)
+        _, out, p = call_on_copy(x, pool, state_v_first=False, ssm_state_indices=idx, num_accepted_tokens=acc,
+                                 inplace_final_state=False)
+        monkeypatch.setattr(front, "recurrent_into", real)
+        assert same_bits(p, pool), "the pool is not written without inplace_final_state"
+        return out, seen["states"]
+
+    out, states = run(torch.bfloat16)
+    assert states.dtype == torch.bfloat16 and states.shape == (sum(lens), HV, K, V)
+    ro, rs = oracle(x, h0_from_pool(pool, read, False))
+    live = [n for n in range(len(lens)) if read[n] >= 0]
+    rows = [sum(lens[:n]) + t for n in live for t in range(lens[n])]
+    close("o", out, zero_padding(ro, x, read), tol(x))
+    close("per-token states", kv(states[rows], False), torch.stack([s for n in live for s in rs[n]]),
+          tol(x, torch.bfloat16))
+    pad = [r for r in range(sum(lens)) if r not in rows]
+    assert pad and same_bits(states[pad], torch.zeros_like(states[pad])), "padding tokens' states are zeros"
+    out32, states32 = run(None)
+    assert states32.dtype == torch.float32
+    assert same_bits(out, out32), "the outputs differ with float32 per-token states"
+    assert same_bits(states, states32.to(torch.bfloat16)), "bf16 per-token states are not float32's rounded to bf16"
+    monkeypatch.setenv("KDAKIT_DECODE_WIDE_KV", "0")
+    out_s, states_s = run(torch.bfloat16)
+    assert same_bits(out, out_s) and same_bits(states, states_s), "the wide tiles and the staged ones differ"
+
+
 # (warps, passes, general): general "1" forces the masked form where the whole-tile (FULL) form would run.
 TILINGS = [(w, p, "") for w in (1, 2, 4) for p in (1, 2, 4)] + [(4, 1, "1"), (2, 4, "1")]
 
