@@ -337,6 +337,22 @@ def test_prefetch_distance_does_not_change_verify_results(seed, monkeypatch, v_f
     assert torch.equal(base_out[~live], torch.zeros_like(base_out[~live])), "padding sequences output zeros"
 
 
+def bf16_kv_verify_case(V, skip_write):
+    """Verify on a bf16 [K,V] pool, K = 128, GVA 2 -> 4 heads: five sequences of 1-4 tokens with [N, 4] slot ids
+    (random, distinct) and accepted counts, sequence 3's read slot padding, and with `skip_write` token 2 of sequence 0
+    not written. Returns (inputs, slot ids, accepted counts, each sequence's read slot, the pool)."""
+    HV, K, lens, Tm = 4, 128, [4, 1, 3, 4, 2], 4
+    x = make(lens, 2, HV, K, V, dtype=torch.bfloat16)
+    P = 4 * len(lens) * Tm
+    idx = torch.randperm(P, device=DEV)[:len(lens) * Tm].reshape(len(lens), Tm).to(torch.int32)
+    acc = torch.tensor([4, 1, 2, 3, 2], device=DEV, dtype=torch.int32)
+    idx[3, 2] = -1  # a padding sequence (its read slot)
+    if skip_write:
+        idx[0, 2] = -1  # a token whose state is not written
+    read = [idx[n, acc[n] - 1].item() for n in range(len(lens))]
+    return x, idx, acc, read, make_pool(P, HV, K, V, torch.bfloat16, False, [r for r in read if r >= 0])
+
+
 @pytest.mark.parametrize("nj", ["8", "4"])
 @pytest.mark.parametrize("V", [128, 256])
 def test_wide_kv_tiles_agree(seed, monkeypatch, V, nj):
@@ -346,15 +362,8 @@ def test_wide_kv_tiles_agree(seed, monkeypatch, V, nj):
     indices and accepted counts (a padding sequence, a skipped write, a one-token sequence), and long varlen sequences
     in place on the pool (several staged batches, an empty sequence)."""
     HV, K = 4, 128
-    lens2, Tm = [4, 1, 3, 4, 2], 4
-    x2 = make(lens2, 2, HV, K, V, dtype=torch.bfloat16)
-    P = 4 * len(lens2) * Tm
-    idx2 = torch.randperm(P, device=DEV)[:len(lens2) * Tm].reshape(len(lens2), Tm).to(torch.int32)
-    acc2 = torch.tensor([4, 1, 2, 3, 2], device=DEV, dtype=torch.int32)
-    idx2[3, 2] = -1  # a padding sequence (its read slot)
-    idx2[0, 2] = -1  # a token whose state is not written
-    read = [idx2[n, acc2[n] - 1].item() for n in range(len(lens2))]
-    pool2 = make_pool(P, HV, K, V, torch.bfloat16, False, [r for r in read if r >= 0])
+    x2, idx2, acc2, read, pool2 = bf16_kv_verify_case(V, skip_write=True)
+    lens2, P = x2["lens"], pool2.shape[0]
     lens3 = [17, 0, 1, 40]
     x3 = make(lens3, 2, HV, K, V, dtype=torch.bfloat16)
     idx3 = torch.randperm(2 * len(lens3), device=DEV)[:len(lens3)].to(torch.int32)
@@ -405,14 +414,8 @@ def test_bf16_per_token_states(seed, monkeypatch, V):
     where the wide tiles store every token's state from registers. Against the float64 oracle, to the bit with the
     staged tiles (KDAKIT_DECODE_WIDE_KV=0), and to the bit with float32 per-token states rounded to bf16."""
     import kdakit.fused_recurrent as front
-    HV, K, lens, Tm = 4, 128, [4, 1, 3, 4, 2], 4
-    x = make(lens, 2, HV, K, V, dtype=torch.bfloat16)
-    P = 4 * len(lens) * Tm
-    idx = torch.randperm(P, device=DEV)[:len(lens) * Tm].reshape(len(lens), Tm).to(torch.int32)
-    acc = torch.tensor([4, 1, 2, 3, 2], device=DEV, dtype=torch.int32)
-    idx[3, 2] = -1  # a padding sequence (its read slot)
-    read = [idx[n, acc[n] - 1].item() for n in range(len(lens))]
-    pool = make_pool(P, HV, K, V, torch.bfloat16, False, [r for r in read if r >= 0])
+    x, idx, acc, read, pool = bf16_kv_verify_case(V, skip_write=False)
+    lens = x["lens"]
     real = front.recurrent_into
 
     def run(token_dtype):
@@ -433,7 +436,7 @@ def test_bf16_per_token_states(seed, monkeypatch, V):
         return out, seen["states"]
 
     out, states = run(torch.bfloat16)
-    assert states.dtype == torch.bfloat16 and states.shape == (sum(lens), HV, K, V)
+    assert states.dtype == torch.bfloat16 and states.shape == (sum(lens),) + pool.shape[1:]
     ro, rs = oracle(x, h0_from_pool(pool, read, False))
     live = [n for n in range(len(lens)) if read[n] >= 0]
     rows = [sum(lens[:n]) + t for n in live for t in range(lens[n])]
