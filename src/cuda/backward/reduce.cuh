@@ -31,6 +31,26 @@ __device__ __forceinline__ void load_four(const T* p, float (&x)[4]) {
   }
 }
 
+// Four consecutive elements of a token row at p, narrowed to T: one vector store where p is aligned to their size,
+// else four.
+template <typename T>
+__device__ __forceinline__ void store_four(T* p, const float (&x)[4]) {
+  if ((reinterpret_cast<uintptr_t>(p) & (4 * sizeof(T) - 1)) == 0) {
+    if constexpr (std::is_same<T, float>::value) {
+      *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+      return;
+    } else if constexpr (sizeof(T) == 2) {
+      T e[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) e[i] = from_float<T>(x[i]);
+      *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(e);
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = from_float<T>(x[i]);
+}
+
 // NJ: 128-key groups of a lane's keys (K <= 128 * NJ); lane l holds keys 128 j + 4 l + i, i < 4.
 template <typename InT, int NJ>
 __global__ void __launch_bounds__(kBwdThreads) backward_tokens_kernel(const BackwardArgs a) {
@@ -134,20 +154,40 @@ __global__ void __launch_bounds__(kBwdThreads) backward_tokens_kernel(const Back
         x.gk[e] = (x.gk[e] - dot_k * x.yk[e]) * rk;
       }
     }
+    // Four keys a store where they are all inside K (one vector where aligned), one dtype branch a head.
     const int64_t qo = a.dq.offset(b, t, h), ko = a.dk.offset(b, t, h);
+    auto put = [&](const DynPtr& out, int64_t o, const float* g) {
+      with_typed(out, [&](auto* p) {
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int d = 128 * (e >> 2) + 4 * lane + (e & 3);
-      if (d < K) {
-        a.dq.store(qo + d, x.gq[e]);
-        a.dk.store(ko + d, x.gk[e]);
-      }
-    }
+        for (int j = 0; j < NJ; ++j) {
+          const int d0 = 128 * j + 4 * lane;
+          const float w[4] = {g[4 * j], g[4 * j + 1], g[4 * j + 2], g[4 * j + 3]};
+          if (d0 + 4 <= K) {
+            store_four(p + o + d0, w);
+          } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              if (d0 + i < K) p[o + d0 + i] = from_float<std::remove_pointer_t<decltype(p)>>(w[i]);
+            }
+          }
+        }
+      });
+    };
+    put(a.dq, qo, x.gq);
+    put(a.dk, ko, x.gk);
   };
-  for (int h = tid >> 5; h < a.H; h += kBwdRowGroups) {
+  // The next head's loads are issued before this head's sums and stores, so that they are in flight meanwhile.
+  int h = tid >> 5;
+  if (h < a.H) {
     Head x;
     load(h, x);
-    finish(h, x);
+    for (; h < a.H; h += kBwdRowGroups) {
+      Head y;
+      const bool more = h + kBwdRowGroups < a.H;
+      if (more) load(h + kBwdRowGroups, y);
+      finish(h, x);
+      if (more) x = y;
+    }
   }
   for (int hv = tid; hv < a.HV; hv += kBwdThreads) {
     const float* part = a.ws_dbeta + (row * a.HV + hv) * (1 + a.nks);

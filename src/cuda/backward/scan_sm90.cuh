@@ -187,13 +187,7 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
     const bool writes = !SCAN && a.scan_writes;
 
     // dh_c = dS.
-    if (writes) {
-      float* dh = a.ws_dh + tile * K * V;
-      for_each_acc<1, ND>([&](int, int nd, int e, int row, int d) {
-        const int v = v0 + row;
-        if (d < K && v < V) dh[int64_t(d) * V + v] = S[nd].x[e];
-      });
-    }
+    if (writes) store_acc_key_rows(a.ws_dh + tile * K * V, S, v0, K, V);
 
     // dv_new^T = dS^T kg^T + dO^T Aqk (lo tile first). dS^T is split first, then decayed (the compiler makes a
     // register of an accumulator written during MMAs wait for them, so the decay goes before, not under, them).
@@ -241,13 +235,11 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
     for (int kd = 0; kd < KP / 16; ++kd) sm90::fence_operands(sa[kd][0]), sm90::fence_operands(sa[kd][1]);
 
     // Rows past the chunk are zero; dv_new to the workspace; -dv_new^T (an exact negation) as the update's A operand.
-    float* dvn = a.ws_dvnew + tile * C * V;
-    for_each_acc<1, NC>([&](int, int nt, int e, int row, int r) {
-      const int v = v0 + row;
-      const float x = r < nrows ? dv[nt].x[e] : 0.f;
-      if (writes && v < V) dvn[int64_t(r) * V + v] = x;
-      dv[nt].x[e] = -x;
+    for_each_acc<1, NC>([&](int, int nt, int e, int, int r) {
+      if (r >= nrows) dv[nt].x[e] = 0.f;
     });
+    if (writes) store_acc_key_rows(a.ws_dvnew + tile * C * V, dv, v0, C, V);
+    for_each_acc<1, NC>([&](int, int nt, int e, int, int) { dv[nt].x[e] = -dv[nt].x[e]; });
     FragA va[C / 16][2];
 #pragma unroll
     for (int kt = 0; kt < C / 16; ++kt) acc_to_parts<2>(dv[2 * kt], dv[2 * kt + 1], va[kt]);

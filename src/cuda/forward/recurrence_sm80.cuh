@@ -96,12 +96,21 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
     // The chunk-start state: to the intermediate states, to shared memory (B operand), then decayed.
     const bool inter = !SCAN && a.inter.present();
     const int64_t inter_base = a.cu_seqlens.present() ? (base + ci) * a.inter_sc : b * a.inter_sb + ci * a.inter_sc;
-    if (inter) {
-      for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
-        const int d = w4 * ROWS + row, v = v0 + col;
-        if (d < a.K && v < a.V) {
-          a.inter.store(inter_base + hv * a.inter_sh + (a.vk ? int64_t(v) * a.K + d : int64_t(d) * a.V + v),
-                        S[mt][nt].x[e]);
+    if (inter) {  // one dtype branch and one layout branch a chunk, not a switch per element
+      with_typed(a.inter, [&](auto* ip) {
+        using IT = std::remove_pointer_t<decltype(ip)>;
+        ip += inter_base + hv * a.inter_sh;
+        const int K = a.K, V = a.V;
+        if (a.vk) {
+          for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
+            const int d = w4 * ROWS + row, v = v0 + col;
+            if (d < K && v < V) ip[int64_t(v) * K + d] = from_float<IT>(S[mt][nt].x[e]);
+          });
+        } else {
+          for_each_acc<MT, NTV>([&](int mt, int nt, int e, int row, int col) {
+            const int d = w4 * ROWS + row, v = v0 + col;
+            if (d < K && v < V) ip[int64_t(d) * V + v] = from_float<IT>(S[mt][nt].x[e]);
+          });
         }
       });
     }

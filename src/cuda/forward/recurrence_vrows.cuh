@@ -143,10 +143,14 @@ __global__ void __launch_bounds__(VrowsLayout<sizeof(Elem), KP, BV, ONE_STAGE, W
       with_typed(a.inter, [&](auto* ip) {
         using IT = std::remove_pointer_t<decltype(ip)>;
         ip += inter_base + hv * a.inter_sh;
-        for_each_acc<1, ND>([&](int, int nd, int e, int row, int d) {
-          const int v = v0 + row;
-          if (d < a.K && v < a.V) ip[state_at(d, v)] = from_float<IT>(S[nd].x[e]);
-        });
+        if (!a.vk) {
+          store_acc_key_rows(ip, S, v0, a.K, a.V);
+        } else {
+          for_each_acc<1, ND>([&](int, int nd, int e, int row, int d) {
+            const int v = v0 + row;
+            if (d < a.K && v < a.V) ip[state_at(d, v)] = from_float<IT>(S[nd].x[e]);
+          });
+        }
       });
     }
 

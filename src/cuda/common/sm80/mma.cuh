@@ -309,4 +309,27 @@ __device__ __forceinline__ void for_each_acc(F&& f) {
       for (int i = 0; i < 4; ++i) f(mt, nt, i, 16 * mt + g + 8 * (i >> 1), 8 * nt + 2 * t + (i & 1));
 }
 
+// Stores a thread's accumulators of 1 x NT tiles whose rows are values (v0 + row) and whose columns are keys
+// (for_each_acc coordinates) into a dense [keys][V] block p: element (key d, value v) at d V + v, keys >= K and values
+// >= V skipped. One base pointer a thread and a multiple of V a tile, instead of the element's offset per store.
+template <typename T, int NT>
+__device__ __forceinline__ void store_acc_key_rows(T* p, const FragC (&acc)[NT], int v0, int K, int V) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, va = v0 + g;
+  const bool ok_a = va < V, ok_b = va + 8 < V;
+  T* const base = p + int64_t(2 * t) * V + va;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int d = 8 * nt + 2 * t;
+    T* const q = base + int64_t(8 * nt) * V;
+    if (d < K) {
+      if (ok_a) q[0] = from_float<T>(acc[nt].x[0]);
+      if (ok_b) q[8] = from_float<T>(acc[nt].x[2]);
+    }
+    if (d + 1 < K) {
+      if (ok_a) q[V] = from_float<T>(acc[nt].x[1]);
+      if (ok_b) q[V + 8] = from_float<T>(acc[nt].x[3]);
+    }
+  }
+}
+
 }  // namespace kdakit::cuda
