@@ -44,19 +44,33 @@ struct Gate {
   }
 };
 
-// Keys d0..d0 + 15 of the chunk's rows of token tensor t (elements of T, head `head`): put(r, dl, value, in) for each,
-// value zero past nrows and K (in false). 16-byte loads where the rows allow them (vec), else an element at a time.
-template <typename T, typename Put>
-__device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const ChunkOf& ch, int head, int C, int K,
-                                           int d0, Put&& put) {
-  constexpr int KS = kBwdKSlice, EPC = 16 / sizeof(T), PIECES = KS / EPC;
+// A vector of B bytes (4, 8 or 16) for one load.
+template <int B>
+struct VecBytes;
+template <>
+struct VecBytes<4> { using type = uint32_t; };
+template <>
+struct VecBytes<8> { using type = uint2; };
+template <>
+struct VecBytes<16> { using type = uint4; };
+
+// Keys d0..d0 + 15 of the chunk's rows of token tensor t (elements of T, head `head`, C rows): put(r, dl, value, in)
+// for each, value zero past nrows and K (in false). Vector loads where the rows allow 16-byte ones (vec), of the
+// size that gives every thread of the CTA one piece (at most 16 bytes): the puts (the gate's evaluation among them)
+// then spread over all warps before the barrier that follows. Else an element at a time.
+template <typename T, int C, typename Put>
+__device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const ChunkOf& ch, int head, int K, int d0,
+                                           Put&& put) {
+  constexpr int KS = kBwdKSlice, EPC_MAX = 16 / sizeof(T), EPC_ALL = C * KS / kBwdThreads;
+  constexpr int EPC = EPC_ALL < 2 ? 2 : (EPC_ALL < EPC_MAX ? EPC_ALL : EPC_MAX), PIECES = KS / EPC;
+  using Vec = typename VecBytes<EPC * sizeof(T)>::type;
   const T* p = static_cast<const T*>(t.p) + t.offset(ch.b, ch.row0, head) + d0;  // the slice's first row
-  if (vec) {  // K is a multiple of EPC: a piece is within K or past it
+  if (vec) {  // K is a multiple of 16 / sizeof(T), so of EPC: a piece is within K or past it
     for (int e = threadIdx.x; e < C * PIECES; e += kBwdThreads) {
       const int r = e / PIECES, c = (e % PIECES) * EPC;
       const bool in = r < ch.nrows && d0 + c < K;
-      uint4 u{};
-      if (in) u = __ldg(reinterpret_cast<const uint4*>(p + r * t.st + c));
+      Vec u{};
+      if (in) u = __ldg(reinterpret_cast<const Vec*>(p + r * t.st + c));
       T v[EPC];
       memcpy(v, &u, sizeof(u));
 #pragma unroll
@@ -174,23 +188,23 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
     // chain; rowsum(S dH) of its keys.
     if (tid < 4) s.maxexp[tid] = 0;
     if (tid < KS) s.dgam[tid] = d0 + tid < K ? a.ws_dgam[tile * K + d0 + tid] : 0.f;
-    grad::slice_rows<InT>(a.q, q_vec, ch, h, C, K, d0,
-                          [&](int r, int dl, float v, bool) { s.q[r * LDK + dl] = v * s.rq[r]; });
-    grad::slice_rows<InT>(a.k, k_vec, ch, h, C, K, d0,
-                          [&](int r, int dl, float v, bool) { s.k[r * LDK + dl] = v * s.rk[r]; });
+    grad::slice_rows<InT, C>(a.q, q_vec, ch, h, K, d0,
+                             [&](int r, int dl, float v, bool) { s.q[r * LDK + dl] = v * s.rq[r]; });
+    grad::slice_rows<InT, C>(a.k, k_vec, ch, h, K, d0,
+                             [&](int r, int dl, float v, bool) { s.k[r * LDK + dl] = v * s.rk[r]; });
     with_typed(a.g, [&](auto* gp) {
       using G = std::remove_cv_t<std::remove_pointer_t<decltype(gp)>>;
-      grad::slice_rows<G>(a.g, rows_vec(a.g, 16 / sizeof(G), K), ch, hv, C, K, d0,
-                          [&](int r, int dl, float raw, bool in) {
-                            const int o = r * LDK + dl;
-                            if (!in_kernel) {
-                              s.g[o] = raw;  // zero outside
-                              return;
-                            }
-                            const float x = raw + (has_bias && in ? s.bias[d0 + dl] : 0.f);
-                            s.xin[o] = x;
-                            s.g[o] = in ? gate.value(x) : 0.f;
-                          });
+      grad::slice_rows<G, C>(a.g, rows_vec(a.g, 16 / sizeof(G), K), ch, hv, K, d0,
+                             [&](int r, int dl, float raw, bool in) {
+                               const int o = r * LDK + dl;
+                               if (!in_kernel) {
+                                 s.g[o] = raw;  // zero outside
+                                 return;
+                               }
+                               const float x = raw + (has_bias && in ? s.bias[d0 + dl] : 0.f);
+                               s.xin[o] = x;
+                               s.g[o] = in ? gate.value(x) : 0.f;
+                             });
     });
     __syncthreads();
     // The sub-chunk sums (chunk_sums of the CPU), kept as the exponentials the products take: exp(lam) (inclusive
