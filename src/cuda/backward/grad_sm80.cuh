@@ -58,12 +58,19 @@ struct VecBytes<16> { using type = uint4; };
 // for each, value zero past nrows and K (in false). Vector loads where the rows allow 16-byte ones (vec), of the
 // size that gives every thread of the CTA one piece (at most 16 bytes): the puts (the gate's evaluation among them)
 // then spread over all warps before the barrier that follows. Else an element at a time.
+template <typename T, int C>
+struct SlicePiece {
+  static constexpr int KS = kBwdKSlice, EPC_MAX = 16 / sizeof(T), EPC_ALL = C * KS / kBwdThreads;
+  static constexpr int EPC = EPC_ALL < 2 ? 2 : (EPC_ALL < EPC_MAX ? EPC_ALL : EPC_MAX), PIECES = KS / EPC;
+  using Vec = typename VecBytes<EPC * sizeof(T)>::type;
+  static constexpr bool ONE = C * PIECES <= kBwdThreads;  // at most one piece a thread
+};
+
 template <typename T, int C, typename Put>
 __device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const ChunkOf& ch, int head, int K, int d0,
                                            Put&& put) {
-  constexpr int KS = kBwdKSlice, EPC_MAX = 16 / sizeof(T), EPC_ALL = C * KS / kBwdThreads;
-  constexpr int EPC = EPC_ALL < 2 ? 2 : (EPC_ALL < EPC_MAX ? EPC_ALL : EPC_MAX), PIECES = KS / EPC;
-  using Vec = typename VecBytes<EPC * sizeof(T)>::type;
+  constexpr int KS = kBwdKSlice, EPC = SlicePiece<T, C>::EPC, PIECES = SlicePiece<T, C>::PIECES;
+  using Vec = typename SlicePiece<T, C>::Vec;
   const T* p = static_cast<const T*>(t.p) + t.offset(ch.b, ch.row0, head) + d0;  // the slice's first row
   if (vec) {  // K is a multiple of 16 / sizeof(T), so of EPC: a piece is within K or past it
     for (int e = threadIdx.x; e < C * PIECES; e += kBwdThreads) {
@@ -84,6 +91,37 @@ __device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const C
     }
   }
 }
+
+// The vector path of slice_rows in two steps for a thread's one piece (SlicePiece::ONE), its bytes held in a uint4
+// between them: load_piece issues the load (a slice ahead), put_piece makes the puts.
+template <typename T, int C>
+__device__ __forceinline__ uint4 load_piece(const TokenRows& t, const ChunkOf& ch, int head, int K, int d0) {
+  using SP = SlicePiece<T, C>;
+  static_assert(SP::ONE, "one piece a thread");
+  const int e = threadIdx.x, r = e / SP::PIECES, c = (e % SP::PIECES) * SP::EPC;
+  uint4 u = make_uint4(0u, 0u, 0u, 0u);
+  if (e < C * SP::PIECES && r < ch.nrows && d0 + c < K) {
+    const T* p = static_cast<const T*>(t.p) + t.offset(ch.b, ch.row0, head) + d0 + r * t.st + c;
+    const typename SP::Vec v = __ldg(reinterpret_cast<const typename SP::Vec*>(p));
+    memcpy(&u, &v, sizeof(v));
+  }
+  return u;
+}
+template <typename T, int C, typename Put>
+__device__ __forceinline__ void put_piece(uint4 u, int nrows, int K, int d0, Put&& put) {
+  using SP = SlicePiece<T, C>;
+  const int e = threadIdx.x, r = e / SP::PIECES, c = (e % SP::PIECES) * SP::EPC;
+  if (e >= C * SP::PIECES) return;
+  const bool in = r < nrows && d0 + c < K;
+  T v[SP::EPC];
+  memcpy(v, &u, sizeof(v));
+#pragma unroll
+  for (int i = 0; i < SP::EPC; ++i) put(r, c + i, to_float(v[i]), in);
+}
+struct SlicePieces {
+  uint4 q, k, g;
+  float dgam;
+};
 
 }  // namespace grad
 
@@ -178,6 +216,19 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
   const grad::Gate gate(a, hv);
   constexpr int QK_EPC = 16 / sizeof(InT);
   const bool q_vec = rows_vec(a.q, QK_EPC, K), k_vec = rows_vec(a.k, QK_EPC, K);
+  // Rows that allow 16-byte loads (and g of 2 or 4 bytes) take each slice's loads one slice ahead (SlicePieces),
+  // issued for slice 0 here and for each next slice before the current one's gate gradient; other rows load each
+  // slice when it starts (slice_rows). The same values either way.
+  const bool g16 = a.g.dtype == DType::kBFloat16 || a.g.dtype == DType::kFloat16;
+  const bool ahead = q_vec && k_vec && (g16 || a.g.dtype == DType::kFloat32) && rows_vec(a.g, g16 ? 8 : 4, K);
+  grad::SlicePieces next{};
+  auto fetch = [&](int d0) {
+    next.q = grad::load_piece<InT, C>(a.q, ch, h, K, d0);
+    next.k = grad::load_piece<InT, C>(a.k, ch, h, K, d0);
+    next.g = g16 ? grad::load_piece<uint16_t, C>(a.g, ch, hv, K, d0) : grad::load_piece<float, C>(a.g, ch, hv, K, d0);
+    next.dgam = tid < KS && d0 + tid < K ? a.ws_dgam[tile * K + d0 + tid] : 0.f;
+  };
+  if (ahead) fetch(0);
   __syncthreads();  // the rows' facts written
   // The 16-key slices in turn, each ending in its own partial sums (dbeta's key part, dA_log); the rows' facts above
   // are the chunk's, taken once. A slice's first writes (the slice tiles, maxexp, dgam) touch nothing that the
@@ -187,25 +238,35 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
     // The slice: q and k normalised; the gates, each evaluated once, with their raw inputs x = g + dt_bias for the
     // chain; rowsum(S dH) of its keys.
     if (tid < 4) s.maxexp[tid] = 0;
-    if (tid < KS) s.dgam[tid] = d0 + tid < K ? a.ws_dgam[tile * K + d0 + tid] : 0.f;
-    grad::slice_rows<InT, C>(a.q, q_vec, ch, h, K, d0,
-                             [&](int r, int dl, float v, bool) { s.q[r * LDK + dl] = v * s.rq[r]; });
-    grad::slice_rows<InT, C>(a.k, k_vec, ch, h, K, d0,
-                             [&](int r, int dl, float v, bool) { s.k[r * LDK + dl] = v * s.rk[r]; });
-    with_typed(a.g, [&](auto* gp) {
-      using G = std::remove_cv_t<std::remove_pointer_t<decltype(gp)>>;
-      grad::slice_rows<G, C>(a.g, rows_vec(a.g, 16 / sizeof(G), K), ch, hv, K, d0,
-                             [&](int r, int dl, float raw, bool in) {
-                               const int o = r * LDK + dl;
-                               if (!in_kernel) {
-                                 s.g[o] = raw;  // zero outside
-                                 return;
-                               }
-                               const float x = raw + (has_bias && in ? s.bias[d0 + dl] : 0.f);
-                               s.xin[o] = x;
-                               s.g[o] = in ? gate.value(x) : 0.f;
-                             });
-    });
+    auto put_q = [&](int r, int dl, float v, bool) { s.q[r * LDK + dl] = v * s.rq[r]; };
+    auto put_k = [&](int r, int dl, float v, bool) { s.k[r * LDK + dl] = v * s.rk[r]; };
+    auto put_g = [&](int r, int dl, float raw, bool in) {
+      const int o = r * LDK + dl;
+      if (!in_kernel) {
+        s.g[o] = raw;  // zero outside
+        return;
+      }
+      const float x = raw + (has_bias && in ? s.bias[d0 + dl] : 0.f);
+      s.xin[o] = x;
+      s.g[o] = in ? gate.value(x) : 0.f;
+    };
+    if (ahead) {
+      if (tid < KS) s.dgam[tid] = next.dgam;
+      grad::put_piece<InT, C>(next.q, nrows, K, d0, put_q);
+      grad::put_piece<InT, C>(next.k, nrows, K, d0, put_k);
+      with_typed(a.g, [&](auto* gp) {
+        using G = std::remove_cv_t<std::remove_pointer_t<decltype(gp)>>;
+        if constexpr (sizeof(G) == 2 || sizeof(G) == 4) grad::put_piece<G, C>(next.g, nrows, K, d0, put_g);
+      });
+    } else {
+      if (tid < KS) s.dgam[tid] = d0 + tid < K ? a.ws_dgam[tile * K + d0 + tid] : 0.f;
+      grad::slice_rows<InT, C>(a.q, q_vec, ch, h, K, d0, put_q);
+      grad::slice_rows<InT, C>(a.k, k_vec, ch, h, K, d0, put_k);
+      with_typed(a.g, [&](auto* gp) {
+        using G = std::remove_cv_t<std::remove_pointer_t<decltype(gp)>>;
+        grad::slice_rows<G, C>(a.g, rows_vec(a.g, 16 / sizeof(G), K), ch, hv, K, d0, put_g);
+      });
+    }
     __syncthreads();
     // The sub-chunk sums (chunk_sums of the CPU), kept as the exponentials the products take: exp(lam) (inclusive
     // prefix), exp(rho) (exclusive suffix), exp(+-sigma) (around the block's middle row m; only read in factorised
@@ -302,6 +363,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
       }
     }
     __syncthreads();
+    if (ahead && ks + 1 < a.nks) fetch(d0 + KS);  // in flight during this slice's gate gradient and sums
     // The gate gradient per key: the pairs' part, the chunk-start terms summed in reverse, the kg terms forward over
     // the earlier rows, and the state's decay on every row (dg written over dgp). A half-warp per key, position p
     // holding the rows p R .. p R + R - 1.
