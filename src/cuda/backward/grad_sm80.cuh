@@ -54,10 +54,9 @@ struct VecBytes<8> { using type = uint2; };
 template <>
 struct VecBytes<16> { using type = uint4; };
 
-// Keys d0..d0 + 15 of the chunk's rows of token tensor t (elements of T, head `head`, C rows): put(r, dl, value, in)
-// for each, value zero past nrows and K (in false). Vector loads where the rows allow 16-byte ones (vec), of the
-// size that gives every thread of the CTA one piece (at most 16 bytes): the puts (the gate's evaluation among them)
-// then spread over all warps before the barrier that follows. Else an element at a time.
+// The pieces of a slice's rows (C rows of 16 keys, elements of T) for vector loads: EPC elements each, the size that
+// gives every thread of the CTA one piece (at most 16 bytes), so that the puts (the gate's evaluation among them)
+// spread over all warps before the barrier that follows.
 template <typename T, int C>
 struct SlicePiece {
   static constexpr int KS = kBwdKSlice, EPC_MAX = 16 / sizeof(T), EPC_ALL = C * KS / kBwdThreads;
@@ -66,6 +65,9 @@ struct SlicePiece {
   static constexpr bool ONE = C * PIECES <= kBwdThreads;  // at most one piece a thread
 };
 
+// Keys d0..d0 + 15 of the chunk's rows of token tensor t (elements of T, head `head`, C rows): put(r, dl, value, in)
+// for each, value zero past nrows and K (in false). SlicePiece's vector loads where the rows allow 16-byte ones
+// (vec), else an element at a time.
 template <typename T, int C, typename Put>
 __device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const ChunkOf& ch, int head, int K, int d0,
                                            Put&& put) {
