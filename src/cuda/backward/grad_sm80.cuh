@@ -65,25 +65,44 @@ struct SlicePiece {
   static constexpr bool ONE = C * PIECES <= kBwdThreads;  // at most one piece a thread
 };
 
+// Piece e of a slice's rows in two steps, its bytes held in a uint4 between them: load_piece issues the load,
+// put_piece makes the puts (slice_rows, and the loads a slice ahead).
+template <typename T, int C>
+__device__ __forceinline__ uint4 load_piece(const TokenRows& t, const ChunkOf& ch, int head, int K, int d0,
+                                            int e = threadIdx.x) {
+  using SP = SlicePiece<T, C>;
+  const int r = e / SP::PIECES, c = (e % SP::PIECES) * SP::EPC;
+  uint4 u = make_uint4(0u, 0u, 0u, 0u);
+  if (e < C * SP::PIECES && r < ch.nrows && d0 + c < K) {
+    const T* p = static_cast<const T*>(t.p) + t.offset(ch.b, ch.row0, head) + d0 + r * t.st + c;
+    const typename SP::Vec v = __ldg(reinterpret_cast<const typename SP::Vec*>(p));
+    memcpy(&u, &v, sizeof(v));
+  }
+  return u;
+}
+template <typename T, int C, typename Put>
+__device__ __forceinline__ void put_piece(uint4 u, int e, int nrows, int K, int d0, Put&& put) {
+  using SP = SlicePiece<T, C>;
+  const int r = e / SP::PIECES, c = (e % SP::PIECES) * SP::EPC;
+  if (e >= C * SP::PIECES) return;
+  const bool in = r < nrows && d0 + c < K;
+  T v[SP::EPC];
+  memcpy(v, &u, sizeof(v));
+#pragma unroll
+  for (int i = 0; i < SP::EPC; ++i) put(r, c + i, to_float(v[i]), in);
+}
+
 // Keys d0..d0 + 15 of the chunk's rows of token tensor t (elements of T, head `head`, C rows): put(r, dl, value, in)
 // for each, value zero past nrows and K (in false). SlicePiece's vector loads where the rows allow 16-byte ones
 // (vec), else an element at a time.
 template <typename T, int C, typename Put>
 __device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const ChunkOf& ch, int head, int K, int d0,
                                            Put&& put) {
-  constexpr int KS = kBwdKSlice, EPC = SlicePiece<T, C>::EPC, PIECES = SlicePiece<T, C>::PIECES;
-  using Vec = typename SlicePiece<T, C>::Vec;
+  constexpr int KS = kBwdKSlice, PIECES = SlicePiece<T, C>::PIECES;
   const T* p = static_cast<const T*>(t.p) + t.offset(ch.b, ch.row0, head) + d0;  // the slice's first row
   if (vec) {  // K is a multiple of 16 / sizeof(T), so of EPC: a piece is within K or past it
     for (int e = threadIdx.x; e < C * PIECES; e += kBwdThreads) {
-      const int r = e / PIECES, c = (e % PIECES) * EPC;
-      const bool in = r < ch.nrows && d0 + c < K;
-      Vec u{};
-      if (in) u = __ldg(reinterpret_cast<const Vec*>(p + r * t.st + c));
-      T v[EPC];
-      memcpy(v, &u, sizeof(u));
-#pragma unroll
-      for (int i = 0; i < EPC; ++i) put(r, c + i, to_float(v[i]), in);
+      put_piece<T, C>(load_piece<T, C>(t, ch, head, K, d0, e), e, ch.nrows, K, d0, put);
     }
   } else {
     for (int e = threadIdx.x; e < C * KS; e += kBwdThreads) {
@@ -94,32 +113,6 @@ __device__ __forceinline__ void slice_rows(const TokenRows& t, bool vec, const C
   }
 }
 
-// The vector path of slice_rows in two steps for a thread's one piece (SlicePiece::ONE), its bytes held in a uint4
-// between them: load_piece issues the load (a slice ahead), put_piece makes the puts.
-template <typename T, int C>
-__device__ __forceinline__ uint4 load_piece(const TokenRows& t, const ChunkOf& ch, int head, int K, int d0) {
-  using SP = SlicePiece<T, C>;
-  static_assert(SP::ONE, "one piece a thread");
-  const int e = threadIdx.x, r = e / SP::PIECES, c = (e % SP::PIECES) * SP::EPC;
-  uint4 u = make_uint4(0u, 0u, 0u, 0u);
-  if (e < C * SP::PIECES && r < ch.nrows && d0 + c < K) {
-    const T* p = static_cast<const T*>(t.p) + t.offset(ch.b, ch.row0, head) + d0 + r * t.st + c;
-    const typename SP::Vec v = __ldg(reinterpret_cast<const typename SP::Vec*>(p));
-    memcpy(&u, &v, sizeof(v));
-  }
-  return u;
-}
-template <typename T, int C, typename Put>
-__device__ __forceinline__ void put_piece(uint4 u, int nrows, int K, int d0, Put&& put) {
-  using SP = SlicePiece<T, C>;
-  const int e = threadIdx.x, r = e / SP::PIECES, c = (e % SP::PIECES) * SP::EPC;
-  if (e >= C * SP::PIECES) return;
-  const bool in = r < nrows && d0 + c < K;
-  T v[SP::EPC];
-  memcpy(v, &u, sizeof(v));
-#pragma unroll
-  for (int i = 0; i < SP::EPC; ++i) put(r, c + i, to_float(v[i]), in);
-}
 struct SlicePieces {
   uint4 q, k, g;
   float dgam;
@@ -223,6 +216,8 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
   // slice when it starts (slice_rows). The same values either way.
   const bool g16 = a.g.dtype == DType::kBFloat16 || a.g.dtype == DType::kFloat16;
   const bool ahead = q_vec && k_vec && (g16 || a.g.dtype == DType::kFloat32) && rows_vec(a.g, g16 ? 8 : 4, K);
+  static_assert(grad::SlicePiece<InT, C>::ONE && grad::SlicePiece<uint16_t, C>::ONE && grad::SlicePiece<float, C>::ONE,
+                "the loads a slice ahead hold one piece a thread");
   grad::SlicePieces next{};
   auto fetch = [&](int d0) {
     next.q = grad::load_piece<InT, C>(a.q, ch, h, K, d0);
@@ -254,11 +249,11 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
     };
     if (ahead) {
       if (tid < KS) s.dgam[tid] = next.dgam;
-      grad::put_piece<InT, C>(next.q, nrows, K, d0, put_q);
-      grad::put_piece<InT, C>(next.k, nrows, K, d0, put_k);
+      grad::put_piece<InT, C>(next.q, tid, nrows, K, d0, put_q);
+      grad::put_piece<InT, C>(next.k, tid, nrows, K, d0, put_k);
       with_typed(a.g, [&](auto* gp) {
         using G = std::remove_cv_t<std::remove_pointer_t<decltype(gp)>>;
-        if constexpr (sizeof(G) == 2 || sizeof(G) == 4) grad::put_piece<G, C>(next.g, nrows, K, d0, put_g);
+        if constexpr (sizeof(G) == 2 || sizeof(G) == 4) grad::put_piece<G, C>(next.g, tid, nrows, K, d0, put_g);
       });
     } else {
       if (tid < KS) s.dgam[tid] = d0 + tid < K ? a.ws_dgam[tile * K + d0 + tid] : 0.f;
@@ -317,17 +312,14 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
       }
     }
     // (No barrier: the products read etot, not what this step writes; the assembly, after their barriers, does.)
-    intra_products(s, dpl_src, C, nrows, NSUB);
-
-    // Assembly per (row, key); beta's key-side part summed over the slice's keys (16 lanes a row). The products with
-    // the states (backward_state_products_kernel: dqg and dkbg in the dq and dk parts, which this element's results
-    // overwrite, and dkg) are loaded for all of a thread's elements before any is written back, so the loads overlap.
-    {
-      constexpr int EPT = kBwdMaxChunk * KS / kBwdThreads;  // elements a thread, at the largest chunk
-      static_assert(kBwdThreads % KS == 0 && (32 * KS) % kBwdThreads == 0, "whole element rounds for every chunk");
-      const int64_t rs = int64_t(a.HV) * K, part0 = (a.row(ch.b, ch.row0) * a.HV + hv) * K + d0;
-      const int64_t bs = int64_t(a.HV) * (1 + a.nks), beta0 = (a.row(ch.b, ch.row0) * a.HV + hv) * (1 + a.nks) + 1 + ks;
-      float dqg[EPT], dkbg[EPT], dkg[EPT];
+    // The products with the states (backward_state_products_kernel: dqg and dkbg in the dq and dk parts, which this
+    // element's results overwrite, and dkg) for all of a thread's elements, loaded between the block products and the
+    // pair sums so that they are in flight during the pair sums.
+    constexpr int EPT = kBwdMaxChunk * KS / kBwdThreads;  // elements a thread, at the largest chunk
+    static_assert(kBwdThreads % KS == 0 && (32 * KS) % kBwdThreads == 0, "whole element rounds for every chunk");
+    const int64_t rs = int64_t(a.HV) * K, part0 = (a.row(ch.b, ch.row0) * a.HV + hv) * K + d0;
+    float dqg[EPT], dkbg[EPT], dkg[EPT];
+    intra_products(s, dpl_src, C, nrows, NSUB, [&] {
 #pragma unroll
       for (int i = 0; i < EPT; ++i) {
         const int e = tid + i * kBwdThreads, r = e / KS, dl = e % KS;
@@ -337,6 +329,11 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
         dkbg[i] = in ? a.ws_dk[o] : 0.f;
         dkg[i] = in ? a.ws_dkg[o] : 0.f;
       }
+    });
+
+    // Assembly per (row, key); beta's key-side part summed over the slice's keys (16 lanes a row).
+    {
+      const int64_t bs = int64_t(a.HV) * (1 + a.nks), beta0 = (a.row(ch.b, ch.row0) * a.HV + hv) * (1 + a.nks) + 1 + ks;
 #pragma unroll
       for (int i = 0; i < EPT; ++i) {
         const int e = tid + i * kBwdThreads;  // C * KS is a multiple of the block: the same rounds in every thread

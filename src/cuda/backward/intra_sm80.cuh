@@ -292,9 +292,9 @@ __device__ __forceinline__ void col_side(const GradSlice& s, const DplSource<CAC
 // The pairs (i', j') of a diagonal block with j' < t <= i' are summed as a running total over t: the pair enters at
 // t = j' + 1 (its column's part, cpart) and leaves at t = i' + 1 (its row's part, which is q_t dq_diag + beta_t k_t
 // dk_diag of the row side), so a pair's term counts only for the tokens it spans.
-template <bool CACHE, int P>
+template <bool CACHE, int P, typename Between>
 __device__ __forceinline__ void intra_products(const GradSlice& s, const intra::DplSource<CACHE, P>& src, int C,
-                                               int nrows, int NSUB) {
+                                               int nrows, int NSUB, Between&& between) {
   constexpr int LDK = kBwdLdk, KS = kBwdKSlice;
   // A block's row side costs its earlier blocks, its column side its later ones: a warp taking both sides of one
   // block (and 8 keys) has NSUB + 1 block products whatever the block. Up to two blocks, the sides go to warps of
@@ -306,6 +306,7 @@ __device__ __forceinline__ void intra_products(const GradSlice& s, const intra::
     if (!cols_only) intra::row_side(s, src, C, nrows, blk, n0);
     if (!apart || cols_only) intra::col_side(s, src, C, nrows, NSUB, blk, n0);
   }
+  between();  // the caller's work between the block products and the pair sums (loads in flight meanwhile)
   __syncthreads();
   // Per (block c, key): the pairs within c (the running total), c's rows over earlier blocks (i >= t), c's columns
   // over later blocks (j < t), and the pairs between a later and an earlier block. A half-warp per (c, key), position
