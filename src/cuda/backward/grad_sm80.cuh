@@ -190,20 +190,29 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
     }
   }
   if constexpr (CACHE) {  // the strictly lower parts of dP and dL in the chunk's rows, split into P parts
-    for (int e = tid; e < C * C / 2; e += kBwdThreads) {
-      const int r = e / (C / 2), c = 2 * (e % (C / 2)), o = r * kBwdDplLd + c;
+    // Every load of the thread first (IT pairs of each matrix), then the splits and stores.
+    constexpr int IT = C * C / 2 / kBwdThreads;
+    static_assert((C * C / 2) % kBwdThreads == 0, "whole rounds of pairs");
+    float2 pv[IT], lv[IT];
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+      const int e = tid + i * kBwdThreads, r = e / (C / 2), c = 2 * (e % (C / 2));
       const bool in = r < nrows;
-      const float2 p = in ? *reinterpret_cast<const float2*>(dP + r * C + c) : make_float2(0.f, 0.f);
-      const float2 l = in ? *reinterpret_cast<const float2*>(dL + r * C + c) : make_float2(0.f, 0.f);
+      pv[i] = in ? *reinterpret_cast<const float2*>(dP + r * C + c) : make_float2(0.f, 0.f);
+      lv[i] = in ? *reinterpret_cast<const float2*>(dL + r * C + c) : make_float2(0.f, 0.f);
+    }
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+      const int e = tid + i * kBwdThreads, r = e / (C / 2), c = 2 * (e % (C / 2)), o = r * kBwdDplLd + c;
       uint32_t* w = reinterpret_cast<uint32_t*>(dpl + o);
       const int m = C * kBwdDplLd / 2;  // one matrix, in 32-bit words
       uint32_t wp[P], wl[P];
-      split_parts<P>(c < r ? p.x : 0.f, c + 1 < r ? p.y : 0.f, wp);
-      split_parts<P>(c < r ? l.x : 0.f, c + 1 < r ? l.y : 0.f, wl);
+      split_parts<P>(c < r ? pv[i].x : 0.f, c + 1 < r ? pv[i].y : 0.f, wp);
+      split_parts<P>(c < r ? lv[i].x : 0.f, c + 1 < r ? lv[i].y : 0.f, wl);
 #pragma unroll
-      for (int i = 0; i < P; ++i) {
-        w[i * m] = wp[i];
-        w[(P + i) * m] = wl[i];
+      for (int j = 0; j < P; ++j) {
+        w[j * m] = wp[j];
+        w[(P + j) * m] = wl[j];
       }
     }
   }
