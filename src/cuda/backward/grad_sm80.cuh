@@ -276,34 +276,89 @@ __global__ void __launch_bounds__(kBwdThreads, 2) backward_grad_kernel(const Bac
     __syncthreads();
     // The sub-chunk sums (chunk_sums of the CPU), kept as the exponentials the products take: exp(lam) (inclusive
     // prefix), exp(rho) (exclusive suffix), exp(+-sigma) (around the block's middle row m; only read in factorised
-    // blocks, where |sigma| <= 64), exp(total). A half-warp per (block, key), position p the block's row s0 + p: each
-    // sum is a scan of the gates themselves (never a difference of two scans), so a huge gate costs no precision.
-    for (int base = 0; base < NSUB * KS; base += kBwdThreads / 16) {  // the same trip count in every warp
-      const int e = base + (tid >> 4), p = half_warp::position();
-      const bool pair = e < NSUB * KS;
-      const int blk = e / KS, dl = e % KS, s0 = 16 * blk, cnt = pair ? min(16, nrows - s0) : 0, m = min(8, cnt - 1);
-      const int o = (s0 + p) * LDK + dl;
-      const float gv = p < cnt ? s.g[o] : 0.f, next = half_warp::from_next(gv);
-      const float lam = half_warp::prefix(gv);                         // sum over s0..p
-      const float rho = half_warp::suffix(next);                       // over p+1..
-      const float up = half_warp::prefix(p > m ? gv : 0.f);            // over m+1..p
-      const float down = half_warp::suffix(p + 1 <= m ? next : 0.f);   // over p+1..m
-      const float sigma = p > m ? up : p < m ? -down : 0.f;
-      if (p < cnt) {
-        s.el[o] = expf(lam);
-        s.er[o] = expf(rho);
-        s.es[o] = expf(sigma);
+    // blocks, where |sigma| <= 64), exp(total). Each sum is a sum of the gates themselves over exactly its rows (never
+    // a difference of two sums), so a huge gate costs no precision. Four lanes per (block, key), lane j holding the
+    // block's rows 4 j .. 4 j + 3: its own rows' running sums, then the other lanes' totals in a fixed order. A
+    // warp's lanes are j = lane / 8 over (blocks 2 bp and 2 bp + 1) x (4 keys), so that the rows 4 apart of its eight
+    // (block, key) columns fall on distinct banks.
+    {
+      static_assert(4 * (kBwdMaxChunk / 16) * KS == kBwdThreads && KS == 16 && kBwdLdk % 32 == 17,
+                    "one pass of four lanes per (block, key); conflict-free columns at a row stride of 17");
+      const int lane = tid & 31, warp = tid >> 5, j = lane >> 3, q = lane & 7;
+      const int blk = 2 * (warp >> 2) + (q >> 2), dl = 4 * (warp & 3) + (q & 3), s0 = 16 * blk;
+      const int cnt = blk < NSUB ? min(16, nrows - s0) : 0, m = min(8, cnt - 1);
+      float v[4], lam[4], rho[4], up[4], down[4];
+      float all = 0.f, after_m = 0.f, to_m = 0.f;  // this lane's totals: every row, rows > m, rows <= m
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int p = 4 * j + i;
+        v[i] = p < cnt ? s.g[(s0 + p) * LDK + dl] : 0.f;
+        all += v[i];
+        lam[i] = all;
+        after_m += p > m ? v[i] : 0.f;
+        up[i] = after_m;
+        to_m += p <= m ? v[i] : 0.f;
+      }
+      float later = 0.f, later_to_m = 0.f;  // this lane's rows after row i: every one, those <= m
+#pragma unroll
+      for (int i = 3; i >= 0; --i) {
+        const int p = 4 * j + i;
+        rho[i] = later;
+        down[i] = later_to_m;
+        later += v[i];
+        later_to_m += p <= m ? v[i] : 0.f;
+      }
+      float ta[4], tu[4], td[4];  // every lane's totals, from lane 0 to 3
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        ta[k] = __shfl_sync(0xffffffffu, all, q + 8 * k);
+        tu[k] = __shfl_sync(0xffffffffu, after_m, q + 8 * k);
+        td[k] = __shfl_sync(0xffffffffu, to_m, q + 8 * k);
+      }
+      float before_a = 0.f, before_u = 0.f, after_a = 0.f, after_d = 0.f;  // the earlier lanes' totals, the later ones'
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (k < j) {
+          before_a += ta[k];
+          before_u += tu[k];
+        }
+      }
+#pragma unroll
+      for (int k = 3; k >= 0; --k) {
+        if (k > j) {
+          after_a += ta[k];
+          after_d += td[k];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int p = 4 * j + i;
+        lam[i] = before_a + lam[i];  // over s0..p
+        rho[i] = rho[i] + after_a;   // over p+1..
+        up[i] = before_u + up[i];    // over m+1..p
+        down[i] = down[i] + after_d;  // over p+1..m
+        if (p < cnt) {
+          const int o = (s0 + p) * LDK + dl;
+          const float sigma = p > m ? up[i] : p < m ? -down[i] : 0.f;
+          s.el[o] = expf(lam[i]);
+          s.er[o] = expf(rho[i]);
+          s.es[o] = expf(sigma);
+        }
       }
       // The block's algorithm for this slice, from the largest anchor exponent over the slice's own keys: a slice's
       // products read only its own keys' exponentials, so the factorised form is exact wherever the slice's
       // exponents allow it, and the decision needs no pass over the other keys' gates. (The CPU decides per block
-      // over all keys; both forms are exact to fp32 where they apply.)
-      const float mx = fmaxf(0.f, fmaxf(-half_warp::at(up, 15), -half_warp::at(down, 0)));
-      if (pair && p == 15) {
-        s.tot[blk * KS + dl] = lam;  // the positions past the block's rows add zeros
-        s.etot[blk * KS + dl] = expf(lam);
+      // over all keys; both forms are exact to fp32 where they apply.) Row 15's up sum is every row after m, row
+      // 0's down sum every row from 1 to m.
+      if (blk < NSUB && j == 3) {
+        s.tot[blk * KS + dl] = lam[3];  // the positions past the block's rows add zeros
+        s.etot[blk * KS + dl] = expf(lam[3]);
       }
-      if (pair && p == 0) atomicMax(&s.maxexp[blk], __float_as_int(mx));  // non-negative floats order as their bits
+      const float up15 = __shfl_sync(0xffffffffu, up[3], q + 24);
+      if (blk < NSUB && j == 0) {
+        const float mx = fmaxf(0.f, fmaxf(-up15, -down[0]));
+        atomicMax(&s.maxexp[blk], __float_as_int(mx));  // non-negative floats order as their bits
+      }
     }
     __syncthreads();
     // Per key: gamma = exp(the chunk's total), and the products of exp(total) over the blocks before and after each
