@@ -103,7 +103,6 @@ __device__ __forceinline__ float sum(float v) {
   for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(kAll, v, o, 16);
   return v;
 }
-__device__ __forceinline__ float at(float v, int p) { return __shfl_sync(kAll, v, p, 16); }
 }  // namespace half_warp
 
 // The sum of every thread's v over the block, the same bits on every run (warp butterflies, then the warps in order);
