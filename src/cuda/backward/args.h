@@ -52,6 +52,8 @@ struct BackwardArgs : KdaArgs {
   const void *ws_w = nullptr, *ws_qg = nullptr, *ws_kg = nullptr, *ws_u = nullptr, *ws_a = nullptr,
              *ws_alo = nullptr;
   const __nv_bfloat16* ws_ulo = nullptr;  // bf16 tiles: u - bf16(u) ([slot][HV][C][VP]), ForwardArgs::ws_ulo
+  // bf16 tiles: qg - bf16(qg), kg - bf16(kg) ([slot][HV][C][KP]), ForwardArgs::ws_qglo / ws_kglo; the scan's.
+  const __nv_bfloat16 *ws_qglo = nullptr, *ws_kglo = nullptr;
   const float* ws_gam = nullptr;  // [slot][HV][KP]
   const float* ws_tm = nullptr;   // [slot][HV][C][C]
   ChunkStates h;

@@ -161,6 +161,10 @@ BackwardLaunch plan_backward_launch(const BackwardParams& p, const detail::Plan&
     bp.total = place_parts(parts);
     return bp;
   };
+  if (esz == 2) {  // the scan's qg and kg lo parts (d_initial too depends on them)
+    parts.push_back({&bp.off_qglo, tiles * C * KP * 2, kBwdForward, kBwdScan});
+    parts.push_back({&bp.off_kglo, tiles * C * KP * 2, kBwdForward, kBwdScan});
+  }
   if (!bp.d_initial_only) {  // Tm and u's lo part serve the WY pass
     parts.push_back({&bp.off_tm, tiles * C * C * f, kBwdForward, kBwdWy});
     if (esz == 2) parts.push_back({&bp.off_ulo, tiles * C * bp.fwd.VP * 2, kBwdForward, kBwdWy});

@@ -56,6 +56,8 @@ struct BackwardLaunch {
   //   segment states, sequence order (fwd)                 forward
   //   tm [slot][HV][C][C] f32         Tm, from the prepare kernel                      forward .. WY
   //   ulo [slot][HV][C][VP] bf16      u's lo part (bf16 operands), from the prepare    forward .. WY
+  //   qglo, kglo [slot][HV][C][KP]    qg's and kg's lo parts (bf16 operands), from     forward .. scan
+  //     bf16                          the prepare
   //   out [B,T,HV,V] q's dtype        the forward kernels' outputs (unused)            forward
   //   h [slot][HV][K*V] f32           chunk-start states (recompute_states only; the   forward .. state products
   //                                   layout of BackwardParams::layout)
@@ -78,7 +80,7 @@ struct BackwardLaunch {
   // outputs never alias). Parts that die early (the prepare's tiles, Tm, out, dvnew, the forward's scratch) give their
   // bytes to parts born later. Deterministic; the total never exceeds the parts laid end to end.
   std::size_t off_seg = 0;
-  std::size_t off_ulo = 0;
+  std::size_t off_ulo = 0, off_qglo = 0, off_kglo = 0;
   std::size_t off_tm = 0, off_out = 0, off_h = 0, off_dh = 0, off_dvnew = 0, off_vnew = 0, off_dbv = 0, off_dP = 0,
               off_dL = 0, off_dq = 0, off_dk = 0, off_dkg = 0, off_dgam = 0, off_dbeta = 0, off_dA = 0, off_ddt = 0;
   std::size_t total = 0;

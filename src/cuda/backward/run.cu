@@ -60,6 +60,10 @@ void backward(const BackwardParams& p, const detail::Plan& plan, const BackwardL
       fa.ws_tm = reinterpret_cast<float*>(ws + bl.off_tm);
       if (bl.fwd.esz == 2) fa.ws_ulo = ws + bl.off_ulo;
     }
+    if (bl.fwd.esz == 2) {  // the scan's qg and kg lo parts
+      fa.ws_qglo = ws + bl.off_qglo;
+      fa.ws_kglo = ws + bl.off_kglo;
+    }
     fa.states_only = true;  // the outputs are scratch
     launch_forward_for(p.in.q.dtype, fa, bl.fwd.cfg, s);
   }
@@ -106,6 +110,10 @@ void backward(const BackwardParams& p, const detail::Plan& plan, const BackwardL
   a.ws_a = ws + bl.fwd.off_a;
   a.ws_alo = bl.fwd.esz == 2 ? ws + bl.fwd.off_alo : nullptr;
   a.ws_ulo = bl.fwd.esz == 2 ? reinterpret_cast<const __nv_bfloat16*>(ws + bl.off_ulo) : nullptr;
+  if (bl.fwd.esz == 2) {
+    a.ws_qglo = reinterpret_cast<const __nv_bfloat16*>(ws + bl.off_qglo);
+    a.ws_kglo = reinterpret_cast<const __nv_bfloat16*>(ws + bl.off_kglo);
+  }
   a.ws_gam = reinterpret_cast<const float*>(ws + bl.fwd.off_gam);
   a.ws_tm = reinterpret_cast<const float*>(ws + bl.off_tm);
   const TensorView& states = bl.recompute_states ? fwd.intermediate_states : p.chunk_states;

@@ -17,8 +17,9 @@
 // the whole sequence as before.
 //
 // Precision: bf16 operands keep dS as hi + lo tiles (two MMAs for kg dS: a state rounded once to bf16 would dominate
-// the error, as in the forward) and take Aqk's lo tile; dO and dv_new are bf16 operands. Float operands (float16 and
-// float32 inputs) are split into hi + lo everywhere (three MMAs). Accumulation is fp32 in a fixed order.
+// the error, as in the forward) and take the lo tiles of Aqk, kg and qg (kg's rounding in dv_new = kg dS would
+// dominate dbeta's error, qg's in qg^T dO d_initial_state's); dO and dv_new are bf16 operands. Float operands
+// (float16 and float32 inputs) are split into hi + lo everywhere (three MMAs). Accumulation is fp32 in a fixed order.
 #pragma once
 
 #include <type_traits>
@@ -73,8 +74,8 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
   Elem* sSlo = sS + KP * LDB;                                    // [KP][LDB]: dS's lo part (SPLIT)
   Elem* sDvlo = sSlo + KP * LDB;                                 // [64][LDB]: -dv_new's lo part (SPLIT)
 
-  // Stage slot of phase h: t0 = kg (phase 0), qg or w; t1 = w beside qg (two phases); Aqk, its lo tile and gamma
-  // beside kg.
+  // Stage slot of phase h (the phases' tiles: BwdScanLayout::phases): t0, t1 beside it; Aqk, its lo tile and gamma at
+  // t0 for bf16 operands, beside kg (at t1) for float ones.
   struct Slot {
     Elem *t0, *t1, *aqk, *alo;
     float* gam;
@@ -83,14 +84,16 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
     Slot s;
     s.t0 = reinterpret_cast<Elem*>(smem_raw + (h % ring) * SLOT);
     s.t1 = s.t0 + kBwdMaxChunk * LDK;
-    s.aqk = s.t1;
+    s.aqk = SPLIT ? s.t0 : s.t1;
     s.alo = s.aqk + kBwdMaxChunk * LDA;
     s.gam = reinterpret_cast<float*>(s.aqk + (SPLIT ? 2 : 1) * kBwdMaxChunk * LDA);
     return s;
   };
+  // The phases of a chunk with bf16 operands (paired tiles, or one a phase).
+  constexpr bool PR = L.paired();
+  constexpr int KLO_P = PR ? 0 : 1, A_P = PR ? 1 : 2, QG_P = PR ? 2 : 3, QLO_P = PR ? 2 : 4, W_P = P - 1;
   // Phase h's tiles (chunk c_end - 1 - h / P) as one commit group; an empty group past chunk c_begin, so that every
   // phase waits for the same count. Transition tiles take neither Aqk nor qg.
-  const bool with_alo = SPLIT && a.ws_alo != nullptr;
   auto issue = [&](int h) {
     const int ci = c_end - 1 - h / P, p = h % P;
     if (ci >= c_begin) {
@@ -98,18 +101,28 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
       const int64_t tile = a.tile(base + ci, hv);
       const Slot s = slot(h);
       auto ws_tile = [&](const void* ws) { return static_cast<const Elem*>(ws) + tile * C * KP; };
-      if (p == 0) {
-        copy_scan_tile<Elem, KP, LDK, NT>(s.t0, ws_tile(a.ws_kg), C);
+      auto copy_aqk = [&] {  // Aqk (and its lo tile) and gamma
         const Elem* ga = static_cast<const Elem*>(a.ws_a) + tile * C * C;
         const Elem* galo = static_cast<const Elem*>(a.ws_alo) + tile * C * C;
         const int AC = C / EPC;
         for (int e = tid; e < (trans ? 0 : C * AC); e += NT) {
           const int r = e / AC, c = (e % AC) * EPC;
           cp_async16(s.aqk + r * LDA + c, ga + r * C + c);
-          if (with_alo) cp_async16(s.alo + r * LDA + c, galo + r * C + c);
+          if constexpr (SPLIT) cp_async16(s.alo + r * LDA + c, galo + r * C + c);
         }
         const float* gg = a.ws_gam + tile * KP;
         for (int e = tid; e < KP / 4; e += NT) cp_async16(s.gam + 4 * e, gg + 4 * e);
+      };
+      if constexpr (SPLIT) {
+        if (p == 0) copy_scan_tile<Elem, KP, LDK, NT>(s.t0, ws_tile(a.ws_kg), C);
+        if (p == KLO_P) copy_scan_tile<Elem, KP, LDK, NT>(PR ? s.t1 : s.t0, ws_tile(a.ws_kglo), C);
+        if (p == A_P) copy_aqk();
+        if (p == QG_P && !trans) copy_scan_tile<Elem, KP, LDK, NT>(s.t0, ws_tile(a.ws_qg), C);
+        if (p == QLO_P && !trans) copy_scan_tile<Elem, KP, LDK, NT>(PR ? s.t1 : s.t0, ws_tile(a.ws_qglo), C);
+        if (p == W_P) copy_scan_tile<Elem, KP, LDK, NT>(s.t0, ws_tile(a.ws_w), C);
+      } else if (p == 0) {
+        copy_scan_tile<Elem, KP, LDK, NT>(s.t0, ws_tile(a.ws_kg), C);
+        copy_aqk();
       } else if (P == 2) {
         if (!trans) copy_scan_tile<Elem, KP, LDK, NT>(s.t0, ws_tile(a.ws_qg), C);
         copy_scan_tile<Elem, KP, LDK, NT>(s.t1, ws_tile(a.ws_w), C);
@@ -218,11 +231,8 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
       });
     }
 
-    // Phase 0: dS <- gamma dS in the accumulators (its copy above feeds kg dS); dv_new = kg dS + Aqk^T dO for this
-    // warp's 16 rows (Aqk is lower triangular: rows i take dO rows j >= i, from i's block on).
-    Slot s = begin_phase(h0);
-    if (ci > c_begin && !trans) load_dO(ci - 1);
-    {
+    // dS <- gamma dS in the accumulators (its copy above feeds kg dS).
+    auto decay = [&](const Slot& s) {
       const int g = (tid & 31) >> 2;
       float gam[MT][2];
 #pragma unroll
@@ -231,16 +241,17 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
         gam[mt][1] = s.gam[w4 * ROWS + 16 * mt + g + 8];
       }
       for_each_acc<MT, NTV>([&](int mt, int nt, int e, int, int) { dS[mt][nt].x[e] *= gam[mt][e >> 1]; });
-    }
-    if (dv_rows) {
-      FragC dv[1][NTV];
+    };
+    // dv_new = kg dS + Aqk^T dO for this warp's 16 rows (Aqk is lower triangular: rows i take dO rows j >= i, from
+    // i's block on): kg dS in dv, then the Aqk products; rows past the chunk are zero, and -dv_new goes to shared
+    // memory as the B operand of the update (an exact negation).
+    FragC dv[1][NTV];
 #pragma unroll
-      for (int i = 0; i < NTV; ++i) dv[0][i].zero();
-      warp_gemm<Elem, 1, NTV, false, true, SPLIT>(dv, s.t0, LDK, 16 * w4, sS + cb, LDB, 0, 0, KP / 16, NP, sSlo + cb);
+    for (int i = 0; i < NTV; ++i) dv[0][i].zero();
+    auto finish_dv = [&](const Slot& s) {
       const int ks = trans ? 0 : C / 16 - w4;
-      if (with_alo) warp_gemm<Elem, 1, NTV, true, true>(dv, s.alo, LDA, 16 * w4, dO, LDB, 0, 16 * w4, ks);
+      if constexpr (SPLIT) warp_gemm<Elem, 1, NTV, true, true>(dv, s.alo, LDA, 16 * w4, dO, LDB, 0, 16 * w4, ks);
       warp_gemm<Elem, 1, NTV, true, true>(dv, s.aqk, LDA, 16 * w4, dO, LDB, 0, 16 * w4, ks);
-      // Rows past the chunk are zero; -dv_new is the B operand of the update (an exact negation).
       float* dvn = a.ws_dvnew + tile * C * V;
       for_each_acc<1, NTV>([&](int, int nt, int e, int row, int col) {
         if ((e & 1) == 0) {
@@ -257,15 +268,46 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
           if (!SCAN && a.scan_writes) store_pair(dvn + int64_t(r) * V, v0 + col, x0, x1);
         }
       });
+    };
+    const int qsteps = trans ? 0 : C / 16;  // transition tiles: no dO
+    if constexpr (SPLIT) {
+      // kg dS with dS as hi + lo, then kg's lo part times dS's hi part (kg = hi + lo, exact in fp32; its rounding
+      // alone would dominate dbeta's error); likewise qg^T dO then qg's lo part. The order of scan_sm90.cuh.
+      Slot s = begin_phase(h0);
+      if (ci > c_begin && !trans) load_dO(ci - 1);
+      if (dv_rows) {
+        warp_gemm<Elem, 1, NTV, false, true, true>(dv, s.t0, LDK, 16 * w4, sS + cb, LDB, 0, 0, KP / 16, NP, sSlo + cb);
+      }
+      if constexpr (!PR) s = begin_phase(h0 + KLO_P);
+      if (dv_rows) {
+        warp_gemm<Elem, 1, NTV, false, true>(dv, PR ? s.t1 : s.t0, LDK, 16 * w4, sS + cb, LDB, 0, 0, KP / 16, NP);
+      }
+      s = begin_phase(h0 + A_P);
+      decay(s);
+      if (dv_rows) finish_dv(s);
+      s = begin_phase(h0 + QG_P);
+      warp_gemm<Elem, MT, NTV, true, true>(dS, s.t0, LDK, w4 * ROWS, dO, LDB, 0, 0, qsteps);
+      if constexpr (!PR) s = begin_phase(h0 + QLO_P);
+      warp_gemm<Elem, MT, NTV, true, true>(dS, PR ? s.t1 : s.t0, LDK, w4 * ROWS, dO, LDB, 0, 0, qsteps);
+      // dS += w^T (-dv_new), -dv_new as hi + lo.
+      s = begin_phase(h0 + W_P);
+      warp_gemm<Elem, MT, NTV, true, true, true>(dS, s.t0, LDK, w4 * ROWS, sDv + cb, LDB, 0, 0, C / 16, NP, sDvlo + cb);
+    } else {
+      // Phase 0: the decay, and dv_new; phase 1 (and 2): the update's products for this warp's state rows,
+      // dS += qg^T dO, then dS += w^T (-dv_new).
+      Slot s = begin_phase(h0);
+      if (ci > c_begin && !trans) load_dO(ci - 1);
+      decay(s);
+      if (dv_rows) {
+        warp_gemm<Elem, 1, NTV, false, true>(dv, s.t0, LDK, 16 * w4, sS + cb, LDB, 0, 0, KP / 16, NP);
+        finish_dv(s);
+      }
+      s = begin_phase(h0 + 1);
+      warp_gemm<Elem, MT, NTV, true, true>(dS, s.t0, LDK, w4 * ROWS, dO, LDB, 0, 0, qsteps);
+      if constexpr (P == 3) s = begin_phase(h0 + 2);
+      warp_gemm<Elem, MT, NTV, true, true>(dS, P == 2 ? s.t1 : s.t0, LDK, w4 * ROWS, sDv + cb, LDB, 0, 0, C / 16);
     }
-
-    // The update's products for this warp's state rows: dS += qg^T dO, then dS += w^T (-dv_new).
-    s = begin_phase(h0 + 1);
-    warp_gemm<Elem, MT, NTV, true, true>(dS, s.t0, LDK, w4 * ROWS, dO, LDB, 0, 0, trans ? 0 : C / 16);
-    if constexpr (P == 3) s = begin_phase(h0 + 2);
-    warp_gemm<Elem, MT, NTV, true, true, SPLIT>(dS, P == 2 ? s.t1 : s.t0, LDK, w4 * ROWS, sDv + cb, LDB, 0, 0, C / 16,
-                                                NP, sDvlo + cb);
-    // Chunk ci + 1 read the other dO buffer up to its phase 1, before the barrier that began this chunk.
+    // Chunk ci + 1 read the other dO buffer up to its qg phases, before the barrier that began this chunk.
     if (ci > c_begin && !trans) store_dO(ci - 1);
   }
 

@@ -4,11 +4,12 @@
 // rows [16 w, 16 w + 16) of the tile for every key (dS^T: 16 x KP fp32 accumulators); warpgroup 1 issues the copies of
 // the next chunk's stage (the products' warps issue nothing but their own work). Per chunk, from the last:
 //   dh_c = dS (to the workspace),
-//   dv_new^T = dS^T kg^T + dO^T Aqk      (dS^T as hi + lo A fragments; Aqk's lo tile, then Aqk),
-//   dS^T <- dS^T diag(gamma) + dO^T qg - dv_new^T w   (-dv_new^T as hi + lo A fragments).
+//   dv_new^T = dS^T kg^T + dO^T Aqk      (dS^T as hi + lo A fragments, then dS^T's hi part times kg's lo tile; Aqk's
+//                                         lo tile, then Aqk),
+//   dS^T <- dS^T diag(gamma) + dO^T qg - dv_new^T w   (qg, then its lo tile; -dv_new^T as hi + lo A fragments).
 // Every product takes the state or dv_new (or dO) as its A operand from registers, so the warps share nothing within a
-// chunk: only the stage tiles (kg, qg, w, Aqk and its lo tile, gamma; the next chunk's copied during this one) and dO
-// come through shared memory, handed over by one barrier per chunk. The products' k-steps, splits and order are
+// chunk: only the stage tiles (kg, qg, w, Aqk, the lo tiles of kg, qg and Aqk, gamma; the next chunk's copied during
+// this one) and dO come through shared memory, handed over by one barrier per chunk. The products' k-steps, splits and order are
 // scan_sm80.cuh's (the blocks of Aqk above its diagonal, which that kernel skips, are zeros: exact), so both kernels
 // give the same bits. Segments and transition tiles as there (scan_tile.cuh).
 #pragma once
@@ -27,12 +28,14 @@ namespace scan_sm90 {
 using bf16 = __nv_bfloat16;
 constexpr int BV = 64, C = 64, LDO = 64 + 8;  // value columns; chunk rows; dO's row stride (conflict-free ldmatrix)
 
-// Shared memory, byte offsets from a 1024-byte aligned base: two stages of [64][KP] kg, qg, w and [64][64] Aqk, Aqk lo
-// tiles (swizzled, tile-aligned) and gamma [KP] (f32), then dO [2][64][LDO] (bf16: this chunk's, the next one's).
+// Shared memory, byte offsets from a 1024-byte aligned base: two stages of [64][KP] kg, qg, w, kg lo, qg lo and
+// [64][64] Aqk, Aqk lo tiles (swizzled, tile-aligned) and gamma [KP] (f32), then dO [2][64][LDO] (bf16: this chunk's,
+// the next one's).
 template <int KP>
 struct Layout {
   static constexpr std::size_t TK = std::size_t(64) * KP * 2, TA = 64 * 64 * 2;
-  static constexpr std::size_t kg = 0, qg = kg + TK, w = qg + TK, aqk = w + TK, alo = aqk + TA, gam = alo + TA;
+  static constexpr std::size_t kg = 0, qg = kg + TK, w = qg + TK, klo = w + TK, qlo = klo + TK, aqk = qlo + TK,
+                               alo = aqk + TA, gam = alo + TA;
   static constexpr std::size_t stage = (gam + KP * 4 + 1023) / 1024 * 1024;
   static constexpr std::size_t dO = 2 * stage;
   static constexpr std::size_t bytes = dO + 2 * 64 * LDO * 2;
@@ -40,7 +43,7 @@ struct Layout {
 };
 
 struct Stage {
-  bf16 *kg, *qg, *w, *aqk, *alo;
+  bf16 *kg, *qg, *w, *klo, *qlo, *aqk, *alo;
   float* gam;
 };
 
@@ -71,21 +74,25 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
   auto stage = [&](int s) {
     char* p = smem + s * L::stage;
     return Stage{reinterpret_cast<bf16*>(p + L::kg),  reinterpret_cast<bf16*>(p + L::qg),
-                 reinterpret_cast<bf16*>(p + L::w),   reinterpret_cast<bf16*>(p + L::aqk),
+                 reinterpret_cast<bf16*>(p + L::w),   reinterpret_cast<bf16*>(p + L::klo),
+                 reinterpret_cast<bf16*>(p + L::qlo), reinterpret_cast<bf16*>(p + L::aqk),
                  reinterpret_cast<bf16*>(p + L::alo), reinterpret_cast<float*>(p + L::gam)};
   };
   // dO as 16-byte pieces (bf16 rows at 16-byte multiples, V a multiple of 8: a piece is within V or past it) by
   // cp.async with the stage tiles; else through registers (load_dO, store_dO below). CTA-uniform.
   const bool do_async = !trans && a.d_out.dtype == DType::kBFloat16 && rows_vec(a.d_out, 8, V);
   // Chunk ci's tiles into stage t, and with do_async its dO into its buffer, as one commit group of warpgroup 1;
-  // transition tiles take neither qg nor Aqk. bf16 tiles always come with Aqk's lo tile (backward/run.cu).
+  // transition tiles take neither qg nor Aqk. bf16 tiles always come with the lo tiles of Aqk, kg and qg
+  // (backward/run.cu).
   auto issue = [&](int ci, const Stage& t) {
     const int64_t tile = a.tile(st.base + ci, hv);
     auto ws = [&](const void* p) { return static_cast<const bf16*>(p) + tile * C * KP; };
     sm90::copy_ws_swizzled<bf16, KP, PT>(t.kg, ws(a.ws_kg), C, ctid);
     sm90::copy_ws_swizzled<bf16, KP, PT>(t.w, ws(a.ws_w), C, ctid);
+    sm90::copy_ws_swizzled<bf16, KP, PT>(t.klo, ws(a.ws_kglo), C, ctid);
     if (!trans) {
       sm90::copy_ws_swizzled<bf16, KP, PT>(t.qg, ws(a.ws_qg), C, ctid);
+      sm90::copy_ws_swizzled<bf16, KP, PT>(t.qlo, ws(a.ws_qglo), C, ctid);
       sm90::copy_ws_swizzled<bf16, 64, PT>(t.aqk, static_cast<const bf16*>(a.ws_a) + tile * C * C, C, ctid);
       sm90::copy_ws_swizzled<bf16, 64, PT>(t.alo, static_cast<const bf16*>(a.ws_alo) + tile * C * C, C, ctid);
     }
@@ -189,7 +196,7 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
     // dh_c = dS.
     if (writes) store_acc_key_rows(a.ws_dh + tile * K * V, S, v0, K, V);
 
-    // dv_new^T = dS^T kg^T + dO^T Aqk (lo tile first). dS^T is split first, then decayed (the compiler makes a
+    // dv_new^T = dS^T kg^T + dO^T Aqk (kg's lo tile after kg; Aqk's lo tile first). dS^T is split first, then decayed (the compiler makes a
     // register of an accumulator written during MMAs wait for them, so the decay goes before, not under, them).
     FragA sa[KP / 16][2];
 #pragma unroll
@@ -213,7 +220,7 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
     for (int j = 0; j < C / 16; ++j) sm90::fence_operands(da[j]);
     sm90::fence_operands(dv);
     {
-      const sm90::TileDescriptors<KP, true> dkg(t.kg);
+      const sm90::TileDescriptors<KP, true> dkg(t.kg), dklo(t.klo);
       const sm90::TileDescriptors<64, false> daqk(t.aqk), dalo(t.alo);
       sm90::arrive();
 #pragma unroll
@@ -221,6 +228,8 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
         sm90::mma_rs<sm90::Major::K>(dv, sa[kd][1], dkg(kd));
         sm90::mma_rs<sm90::Major::K>(dv, sa[kd][0], dkg(kd));
       }
+#pragma unroll
+      for (int kd = 0; kd < KP / 16; ++kd) sm90::mma_rs<sm90::Major::K>(dv, sa[kd][0], dklo(kd));
       if (!trans) {
 #pragma unroll
         for (int j = 0; j < C / 16; ++j) sm90::mma_rs<sm90::Major::MN>(dv, da[j], dalo(j));
@@ -244,16 +253,18 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
 #pragma unroll
     for (int kt = 0; kt < C / 16; ++kt) acc_to_parts<2>(dv[2 * kt], dv[2 * kt + 1], va[kt]);
 
-    // dS^T += dO^T qg, then dS^T += (-dv_new^T) w (lo part first).
+    // dS^T += dO^T qg (then its lo tile), then dS^T += (-dv_new^T) w (lo part first).
 #pragma unroll
     for (int kt = 0; kt < C / 16; ++kt) sm90::fence_operands(va[kt][0]), sm90::fence_operands(va[kt][1]);
     sm90::fence_operands(S);
     {
-      const sm90::TileDescriptors<KP, false> dqg(t.qg), dw(t.w);
+      const sm90::TileDescriptors<KP, false> dqg(t.qg), dqlo(t.qlo), dw(t.w);
       sm90::arrive();
       if (!trans) {
 #pragma unroll
         for (int j = 0; j < C / 16; ++j) sm90::mma_rs<sm90::Major::MN>(S, da[j], dqg(j));
+#pragma unroll
+        for (int j = 0; j < C / 16; ++j) sm90::mma_rs<sm90::Major::MN>(S, da[j], dqlo(j));
       }
 #pragma unroll
       for (int kt = 0; kt < C / 16; ++kt) {

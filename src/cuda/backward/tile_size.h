@@ -26,10 +26,9 @@ constexpr int kBwdMaxChunk = 64;
 // dS each) times two column groups, four from BV = 64 on (the forward's recurrence_kernel shape).
 // Shared memory: a ring of `ring` stage slots, then dO [2][64][LDB] (this chunk's and the next one's), -dv_new
 // [64][LDB] and dS [KP][LDB] (hi and lo tiles of both for bf16 operands). A chunk runs in `phases()` phases, each
-// reading one slot: phase 0 kg, Aqk (and its lo tile for bf16 operands) and gamma; then qg and w together in one
-// phase, or, where one [64][KP] tile takes 512 bytes a row or more, qg and w in a phase each (smaller slots). A slot
-// is copied ring - 1 phases ahead (ring 1: no prefetch). Tiles take 64 rows whatever the chunk, so the size depends
-// on neither the chunk nor the device.
+// reading one slot (the list at phases()); two [64][KP] tiles share a phase where a row of one takes under 512
+// bytes, else each has its own (smaller slots). A slot is copied ring - 1 phases ahead (ring 1: no prefetch). Tiles
+// take 64 rows whatever the chunk, so the size depends on neither the chunk nor the device.
 struct BwdScanLayout {
   int elem_bytes = 2, KP = 128, BV = 64;
   constexpr int groups() const { return BV >= 64 ? 4 : 2; }
@@ -39,15 +38,23 @@ struct BwdScanLayout {
   constexpr int ldk() const { return KP + pad(); }
   constexpr int ldb() const { return BV + pad(); }
   constexpr int lda() const { return kBwdMaxChunk + pad(); }
-  constexpr bool split() const { return elem_bytes == 2; }  // Aqk's lo tile; dS and -dv_new as hi + lo bf16 tiles
-  constexpr int phases() const { return elem_bytes * KP >= 512 ? 3 : 2; }
+  // bf16 operands: the lo tiles of Aqk, kg and qg; dS and -dv_new as hi + lo tiles.
+  constexpr bool split() const { return elem_bytes == 2; }
+  // Two [64][KP] tiles share a phase's slot where a row is under 512 bytes.
+  constexpr bool paired() const { return elem_bytes * KP < 512; }
+  // Per chunk, the phases' tiles (t0, t1 beside it). Float operands: kg + (Aqk, gamma); qg + w (paired), or qg; w.
+  // bf16: kg + kg lo (paired), or kg; kg lo; then (Aqk, its lo tile, gamma); qg + qg lo (paired), or qg; qg lo; w.
+  constexpr int phases() const { return split() ? (paired() ? 4 : 6) : (paired() ? 2 : 3); }
   constexpr std::size_t tile_bytes() const { return std::size_t(elem_bytes) * kBwdMaxChunk * ldk(); }
-  constexpr std::size_t first_bytes() const {  // beside kg: Aqk (and lo), gamma
+  constexpr std::size_t aqk_bytes() const {  // Aqk (and lo), gamma
     return std::size_t(elem_bytes) * (split() ? 2 : 1) * kBwdMaxChunk * lda() + sizeof(float) * KP;
   }
   constexpr std::size_t slot_bytes() const {
-    const std::size_t second = phases() == 2 ? tile_bytes() : 0;  // w beside qg
-    return (tile_bytes() + (first_bytes() > second ? first_bytes() : second) + 15) & ~std::size_t(15);
+    const std::size_t tiles = (paired() ? 2 : 1) * tile_bytes();
+    const std::size_t bytes = split() ? (tiles > aqk_bytes() ? tiles : aqk_bytes())
+                                      : tile_bytes() + (aqk_bytes() > tiles - tile_bytes() ? aqk_bytes()
+                                                                                            : tiles - tile_bytes());
+    return (bytes + 15) & ~std::size_t(15);
   }
   constexpr std::size_t fixed_bytes() const {
     return std::size_t(elem_bytes) * ldb() * ((split() ? 4 : 3) * kBwdMaxChunk + (split() ? 2 : 1) * std::size_t(KP));
@@ -64,12 +71,12 @@ constexpr std::size_t bwd_scan_smem(int elem_bytes, int KP, int BV, int ring) {
 }
 
 // The reverse scan on Hopper warpgroup MMAs (scan_sm90.cuh): per 64 value columns, one warpgroup for the products
-// and one that copies the stages; two stages of kg,
-// qg, w ([64][KP] bf16 each), Aqk and its lo tile ([64][64]) and gamma ([KP] f32), each stage rounded up to the
-// swizzle's 1024-byte period; dO [2][64][72] bf16; and 1 KB of slack to align the base.
+// and one that copies the stages; two stages of kg, qg, w and the lo tiles of kg and qg ([64][KP] bf16 each), Aqk and
+// its lo tile ([64][64]) and gamma ([KP] f32), each stage rounded up to the swizzle's 1024-byte period; dO [2][64][72]
+// bf16; and 1 KB of slack to align the base.
 constexpr int kBwdScanSm90Threads = 256;
 constexpr std::size_t bwd_scan_sm90_smem(int KP) {
-  return 2 * ((std::size_t(3) * 64 * KP * 2 + 2 * 64 * 64 * 2 + std::size_t(KP) * 4 + 1023) / 1024 * 1024) +
+  return 2 * ((std::size_t(5) * 64 * KP * 2 + 2 * 64 * 64 * 2 + std::size_t(KP) * 4 + 1023) / 1024 * 1024) +
          2 * 64 * 72 * 2 + 1024;
 }
 

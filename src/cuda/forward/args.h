@@ -36,6 +36,11 @@ struct ForwardArgs : KdaArgs {
   // Optional [slot][HV][C][VP] bf16 (bf16 operands, the backward's prepare): u - bf16(u). The backward's
   // v_new = u - w h_c cancels most of u, so u rounded once to bf16 would carry its rounding into every gradient.
   void* ws_ulo = nullptr;
+  // Optional [slot][HV][C][KP] bf16 each (bf16 operands, the backward's prepare): qg - bf16(qg) and kg - bf16(kg). The
+  // reverse scan's dv_new = kg dS and dS += qg^T dO take them, so that dbeta and dh0 do not carry kg's and qg's
+  // roundings.
+  void* ws_qglo = nullptr;
+  void* ws_kglo = nullptr;
   float* ws_gam = nullptr;  // [slot][HV][KP]
   float* ws_tm = nullptr;   // optional [slot][HV][C][C] fp32: Tm = (I + L)^-1, zero above the diagonal (the backward)
   int KP = 64, VP = 64;

@@ -252,6 +252,18 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
       Elem* gq = ws_qg + er0 * KP + d;
       Elem* gw = ws_w + er0 * KP + d;  // k e^G: read back slice by slice for w, then overwritten
       Elem* gk = ws_kg + er0 * KP + d;
+      // The backward's prepare (bf16 operands): qg and kg also as lo parts, hi + lo exact in fp32.
+      const int64_t lo_at = ws_tile * C * KP + er0 * KP + d;
+      Elem* gql = sizeof(Elem) == 2 && a.ws_qglo != nullptr ? static_cast<Elem*>(a.ws_qglo) + lo_at : nullptr;
+      Elem* gkl = gql != nullptr ? static_cast<Elem*>(a.ws_kglo) + lo_at : nullptr;
+      auto store_split2 = [&](Elem* hi, Elem* lo, float2 x) {  // hi as Op::store2 rounds it
+        if constexpr (sizeof(Elem) == 2) {
+          uint32_t h, l;
+          split_pack(x.x, x.y, h, l);
+          *reinterpret_cast<uint32_t*>(hi) = h;
+          *reinterpret_cast<uint32_t*>(lo) = l;
+        }
+      };
       auto store_kb = [&](int i, float2 kx) {  // this row's off-diagonal B operands for every later block
 #pragma unroll
         for (int cb = 1; cb < NSUB; ++cb) {
@@ -261,7 +273,9 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
           }
         }
       };
-      if (fast) {
+      // The fast rows, with or without the lo parts (a uniform choice outside the unrolled loop).
+      auto fast_rows = [&](auto with_lo) {
+        constexpr bool LO = decltype(with_lo)::value;
         Elem* td = sKd + er0 * LDS + dl;
         float2 rho = make_float2(0.f, 0.f);  // gates of the block's rows after row i
 #pragma unroll
@@ -276,10 +290,20 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
           Op::store2(td + i * LDS, bd.x, bd.y);
           store_kb(i, kx);
           const float2 oq = aq * eAs, ow = ak * eA, ok = kx * ea;
-          Op::store2(gq + i * KP, oq.x, oq.y);
+          if constexpr (LO) store_split2(gq + i * KP, gql + i * KP, oq);
+          else Op::store2(gq + i * KP, oq.x, oq.y);
           Op::store2(gw + i * KP, ow.x, ow.y);
-          Op::store2(gk + i * KP, ok.x, ok.y);
+          if constexpr (LO) store_split2(gk + i * KP, gkl + i * KP, ok);
+          else Op::store2(gk + i * KP, ok.x, ok.y);
           rho = rho + x[i];
+        }
+      };
+      if (fast) {
+        if constexpr (sizeof(Elem) == 2) {
+          if (gql != nullptr) fast_rows(std::true_type{});
+          else fast_rows(std::false_type{});
+        } else {
+          fast_rows(std::false_type{});
         }
       } else {
         float2 lam = make_float2(0.f, 0.f);  // gates of rows 0..i
@@ -292,7 +316,8 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
           Op::store2(tq + i * LDS, aq.x, aq.y);
           Op::store2(tk + i * LDS, ak.x, ak.y);
           const float2 oq = aq * eAs, ow = ak * eA;
-          Op::store2(gq + i * KP, oq.x, oq.y);
+          if (gql != nullptr) store_split2(gq + i * KP, gql + i * KP, oq);
+          else Op::store2(gq + i * KP, oq.x, oq.y);
           Op::store2(gw + i * KP, ow.x, ow.y);
         }
         float2 rho = make_float2(0.f, 0.f);
@@ -301,7 +326,8 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
           const float2 kv = raw(sraw_k, krow, a.k.st, pq, i) * sRk[er0 + i];
           const float2 kx = kv * exp2_2(rho), ok = kx * ea;
           store_kb(i, kx);
-          Op::store2(gk + i * KP, ok.x, ok.y);
+          if (gkl != nullptr) store_split2(gk + i * KP, gkl + i * KP, ok);
+          else Op::store2(gk + i * KP, ok.x, ok.y);
           rho = rho + x[i];
         }
       }
