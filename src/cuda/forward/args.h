@@ -34,7 +34,8 @@ struct ForwardArgs : KdaArgs {
   void* ws_a = nullptr;   // [slot][HV][C][C] Elem (scale folded in, zero above the diagonal)
   void* ws_alo = nullptr; // [slot][HV][C][C] bf16 operands only: Aqk - bf16(Aqk), so Aqk v_new runs on hi + lo
   // Optional [slot][HV][C][VP] bf16 (bf16 operands, the backward's prepare): u - bf16(u). The backward's
-  // v_new = u - w h_c cancels most of u, so u rounded once to bf16 would carry its rounding into every gradient.
+  // v_new = u - w h_c cancels most of u, so u rounded once to bf16 would carry its rounding into every gradient; with
+  // it, u's product takes Tm diag(beta) as hi + lo too (its rounding carried into dk and dv).
   void* ws_ulo = nullptr;
   // Optional [slot][HV][C][KP] bf16 each (bf16 operands, the backward's prepare): qg - bf16(qg) and kg - bf16(kg). The
   // reverse scan's dv_new = kg dS and dS += qg^T dO take them, so that dbeta and dh0 do not carry kg's and qg's

@@ -513,11 +513,29 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
   inverse_level<C, L::LDL, L::LDY, 1>(sLT, sY);
   if constexpr (NSUB == 4) inverse_level<C, L::LDL, L::LDY, 2>(sLT, sY);
   // Tm * diag(beta) as the A operand of w and u; Tm itself to the workspace when asked (the backward's gradients).
+  // Where the backward asks for u's lo part (bf16 operands), u's product takes Tm diag(beta) as hi + lo too: its
+  // rounding once to bf16 would carry into dk and dv. The lo tile goes over L / Tm once every thread has read it.
   float* ws_tm = a.ws_tm != nullptr ? a.ws_tm + ws_tile * C * C : nullptr;
-  for (int e = tid; e < C * C / 2; e += NTH) {
-    const int i = e / (C / 2), j = 2 * (e % (C / 2));
+  const bool tb_lo = sizeof(Elem) == 2 && a.ws_ulo != nullptr;
+  constexpr int TB_PAIRS = C * C / 2 / NTH;  // pairs of Tm diag(beta) a thread forms
+  static_assert(TB_PAIRS * NTH == C * C / 2, "whole passes of the CTA");
+  uint32_t tb_lo_pairs[TB_PAIRS];
+#pragma unroll
+  for (int k = 0; k < TB_PAIRS; ++k) {
+    const int e = tid + k * NTH, i = e / (C / 2), j = 2 * (e % (C / 2));
     const float2 t = *reinterpret_cast<const float2*>(sLT + i * L::LDL + j);
-    Op::store2(sTb + i * L::LDC + j, j <= i ? t.x * sBeta[j] : 0.f, j + 1 <= i ? t.y * sBeta[j + 1] : 0.f);
+    const float x0 = j <= i ? t.x * sBeta[j] : 0.f, x1 = j + 1 <= i ? t.y * sBeta[j + 1] : 0.f;
+    if constexpr (sizeof(Elem) == 2) {
+      if (tb_lo) {
+        uint32_t h;
+        split_pack(x0, x1, h, tb_lo_pairs[k]);
+        *reinterpret_cast<uint32_t*>(sTb + i * L::LDC + j) = h;
+      } else {
+        Op::store2(sTb + i * L::LDC + j, x0, x1);
+      }
+    } else {
+      Op::store2(sTb + i * L::LDC + j, x0, x1);
+    }
     if (ws_tm != nullptr) {
       *reinterpret_cast<float2*>(ws_tm + i * C + j) = make_float2(j <= i ? t.x : 0.f, j + 1 <= i ? t.y : 0.f);
     }
@@ -525,6 +543,18 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
   // w = Tm diag(beta) (k exp2(G)) by role-0 warps and u = Tm diag(beta) v by role-1 warps, 64 columns a step.
   cp_async_wait<0>();
   __syncthreads();
+  Elem* sTblo = reinterpret_cast<Elem*>(uni);  // [C][LDC] over L / Tm (tb_lo)
+  static_assert(sizeof(Elem) * C * L::LDC <= 4 * C * L::LDL, "Tm diag(beta)'s lo tile fits over L / Tm");
+  if constexpr (sizeof(Elem) == 2) {
+    if (tb_lo) {
+#pragma unroll
+      for (int k = 0; k < TB_PAIRS; ++k) {
+        const int e = tid + k * NTH, i = e / (C / 2), j = 2 * (e % (C / 2));
+        *reinterpret_cast<uint32_t*>(sTblo + i * L::LDC + j) = tb_lo_pairs[k];
+      }
+      __syncthreads();
+    }
+  }
   for (int it = 0; it < (NK64 > VS ? NK64 : VS); ++it) {
     if (it >= 2 && it < VS) {  // V > 128: the later v slices take turns in the two buffers
       __syncthreads();         // step it - 2 is done with the buffer
@@ -539,6 +569,7 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
 #pragma unroll
       for (int i = 0; i < 8; ++i) out[0][i].zero();
       const Elem* bsrc = w_step ? sKs + it * C * L::LD64 : sVb + (it & 1) * C * L::LD64;
+      if (u_step && tb_lo) warp_gemm<Elem, 1, 8, false, true>(out, sTblo, L::LDC, 16 * ab, bsrc, L::LD64, 0, 0, ab + 1);
       warp_gemm<Elem, 1, 8, false, true>(out, sTb, L::LDC, 16 * ab, bsrc, L::LD64, 0, 0, ab + 1);
       Elem* dst = w_step ? ws_w + (16 * ab) * KP + 64 * it : ws_u + (16 * ab) * a.VP + 64 * it;
       const int ldd = w_step ? KP : a.VP;
