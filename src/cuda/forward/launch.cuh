@@ -23,10 +23,14 @@ void set_smem(Kernel kernel, size_t bytes) {
   set_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes);
 }
 
+// The backward's prepare with bf16 operands (ForwardArgs::ws_kglo set) writes the lo parts too (prepare_kernel's LO).
 template <typename InT, typename Elem, int C, int KP, int GB>
 void launch_prepare(const ForwardArgs& a, cudaStream_t stream) {
   using L = PrepareLayout<sizeof(InT), sizeof(Elem), C, KP, GB>;
   auto kernel = prepare_kernel<InT, Elem, C, KP, GB>;
+  if constexpr (sizeof(Elem) == 2) {
+    if (a.ws_kglo != nullptr) kernel = prepare_kernel<InT, Elem, C, KP, GB, true>;
+  }
   set_smem(kernel, L::bytes());
   const dim3 grid(static_cast<unsigned>(a.num_slots + a.tail_slots), static_cast<unsigned>(a.HV));
   kernel<<<grid, kPrepareThreads, L::bytes(), stream>>>(a);

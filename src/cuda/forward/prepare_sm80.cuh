@@ -11,9 +11,12 @@
 namespace kdakit::cuda {
 
 // bf16 operands: two CTAs per SM (81 KB of shared memory, up to 128 registers). Float operands need twice the tiles:
-// one CTA. GB: g's width (GRaw, with_g_type), 4 for float32, 2 for bfloat16 / float16.
-template <typename InT, typename Elem, int C, int KP, int GB>
+// one CTA. GB: g's width (GRaw, with_g_type), 4 for float32, 2 for bfloat16 / float16. LO (bf16 operands, the
+// backward's prepare): the lo parts of qg and kg (ForwardArgs::ws_qglo, ws_kglo), and where ws_ulo is set u's lo part
+// with Tm diag(beta) as hi + lo in u's product.
+template <typename InT, typename Elem, int C, int KP, int GB, bool LO = false>
 __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) prepare_kernel(const ForwardArgs a) {
+  static_assert(!LO || sizeof(Elem) == 2, "lo parts of bf16 operands");
   using L = PrepareLayout<sizeof(InT), sizeof(Elem), C, KP, GB>;
   using Op = Operand<Elem>;
   constexpr int NSUB = L::NSUB, SW = L::SW, NKS = L::NKS, LDS = L::LDS, PAIRS = SW / 2;
@@ -252,17 +255,15 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
       Elem* gq = ws_qg + er0 * KP + d;
       Elem* gw = ws_w + er0 * KP + d;  // k e^G: read back slice by slice for w, then overwritten
       Elem* gk = ws_kg + er0 * KP + d;
-      // The backward's prepare (bf16 operands): qg and kg also as lo parts, hi + lo exact in fp32.
+      // LO: qg and kg also as lo parts, hi + lo exact in fp32.
       const int64_t lo_at = ws_tile * C * KP + er0 * KP + d;
-      Elem* gql = sizeof(Elem) == 2 && a.ws_qglo != nullptr ? static_cast<Elem*>(a.ws_qglo) + lo_at : nullptr;
-      Elem* gkl = gql != nullptr ? static_cast<Elem*>(a.ws_kglo) + lo_at : nullptr;
+      Elem* gql = LO ? static_cast<Elem*>(a.ws_qglo) + lo_at : nullptr;
+      Elem* gkl = LO ? static_cast<Elem*>(a.ws_kglo) + lo_at : nullptr;
       auto store_split2 = [&](Elem* hi, Elem* lo, float2 x) {  // hi as Op::store2 rounds it
-        if constexpr (sizeof(Elem) == 2) {
-          uint32_t h, l;
-          split_pack(x.x, x.y, h, l);
-          *reinterpret_cast<uint32_t*>(hi) = h;
-          *reinterpret_cast<uint32_t*>(lo) = l;
-        }
+        uint32_t h, l;
+        split_pack(x.x, x.y, h, l);
+        *reinterpret_cast<uint32_t*>(hi) = h;
+        *reinterpret_cast<uint32_t*>(lo) = l;
       };
       auto store_kb = [&](int i, float2 kx) {  // this row's off-diagonal B operands for every later block
 #pragma unroll
@@ -273,9 +274,7 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
           }
         }
       };
-      // The fast rows, with or without the lo parts (a uniform choice outside the unrolled loop).
-      auto fast_rows = [&](auto with_lo) {
-        constexpr bool LO = decltype(with_lo)::value;
+      if (fast) {
         Elem* td = sKd + er0 * LDS + dl;
         float2 rho = make_float2(0.f, 0.f);  // gates of the block's rows after row i
 #pragma unroll
@@ -297,14 +296,6 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
           else Op::store2(gk + i * KP, ok.x, ok.y);
           rho = rho + x[i];
         }
-      };
-      if (fast) {
-        if constexpr (sizeof(Elem) == 2) {
-          if (gql != nullptr) fast_rows(std::true_type{});
-          else fast_rows(std::false_type{});
-        } else {
-          fast_rows(std::false_type{});
-        }
       } else {
         float2 lam = make_float2(0.f, 0.f);  // gates of rows 0..i
 #pragma unroll 1
@@ -316,7 +307,7 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
           Op::store2(tq + i * LDS, aq.x, aq.y);
           Op::store2(tk + i * LDS, ak.x, ak.y);
           const float2 oq = aq * eAs, ow = ak * eA;
-          if (gql != nullptr) store_split2(gq + i * KP, gql + i * KP, oq);
+          if constexpr (LO) store_split2(gq + i * KP, gql + i * KP, oq);
           else Op::store2(gq + i * KP, oq.x, oq.y);
           Op::store2(gw + i * KP, ow.x, ow.y);
         }
@@ -326,7 +317,7 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
           const float2 kv = raw(sraw_k, krow, a.k.st, pq, i) * sRk[er0 + i];
           const float2 kx = kv * exp2_2(rho), ok = kx * ea;
           store_kb(i, kx);
-          if (gkl != nullptr) store_split2(gk + i * KP, gkl + i * KP, ok);
+          if constexpr (LO) store_split2(gk + i * KP, gkl + i * KP, ok);
           else Op::store2(gk + i * KP, ok.x, ok.y);
           rho = rho + x[i];
         }
@@ -513,48 +504,52 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
   inverse_level<C, L::LDL, L::LDY, 1>(sLT, sY);
   if constexpr (NSUB == 4) inverse_level<C, L::LDL, L::LDY, 2>(sLT, sY);
   // Tm * diag(beta) as the A operand of w and u; Tm itself to the workspace when asked (the backward's gradients).
-  // Where the backward asks for u's lo part (bf16 operands), u's product takes Tm diag(beta) as hi + lo too: its
-  // rounding once to bf16 would carry into dk and dv. The lo tile goes over L / Tm once every thread has read it.
+  // LO with u's lo part asked for: u's product takes Tm diag(beta) as hi + lo (its rounding once to bf16 would carry
+  // into dk and dv); the lo tile goes over L / Tm once every thread has read it.
   float* ws_tm = a.ws_tm != nullptr ? a.ws_tm + ws_tile * C * C : nullptr;
-  const bool tb_lo = sizeof(Elem) == 2 && a.ws_ulo != nullptr;
-  constexpr int TB_PAIRS = C * C / 2 / NTH;  // pairs of Tm diag(beta) a thread forms
-  static_assert(TB_PAIRS * NTH == C * C / 2, "whole passes of the CTA");
-  uint32_t tb_lo_pairs[TB_PAIRS];
-#pragma unroll
-  for (int k = 0; k < TB_PAIRS; ++k) {
-    const int e = tid + k * NTH, i = e / (C / 2), j = 2 * (e % (C / 2));
-    const float2 t = *reinterpret_cast<const float2*>(sLT + i * L::LDL + j);
-    const float x0 = j <= i ? t.x * sBeta[j] : 0.f, x1 = j + 1 <= i ? t.y * sBeta[j + 1] : 0.f;
-    if constexpr (sizeof(Elem) == 2) {
-      if (tb_lo) {
-        uint32_t h;
-        split_pack(x0, x1, h, tb_lo_pairs[k]);
-        *reinterpret_cast<uint32_t*>(sTb + i * L::LDC + j) = h;
-      } else {
-        Op::store2(sTb + i * L::LDC + j, x0, x1);
-      }
-    } else {
-      Op::store2(sTb + i * L::LDC + j, x0, x1);
-    }
-    if (ws_tm != nullptr) {
-      *reinterpret_cast<float2*>(ws_tm + i * C + j) = make_float2(j <= i ? t.x : 0.f, j + 1 <= i ? t.y : 0.f);
-    }
-  }
-  // w = Tm diag(beta) (k exp2(G)) by role-0 warps and u = Tm diag(beta) v by role-1 warps, 64 columns a step.
-  cp_async_wait<0>();
-  __syncthreads();
+  const bool tb_lo = LO && a.ws_ulo != nullptr;
   Elem* sTblo = reinterpret_cast<Elem*>(uni);  // [C][LDC] over L / Tm (tb_lo)
-  static_assert(sizeof(Elem) * C * L::LDC <= 4 * C * L::LDL, "Tm diag(beta)'s lo tile fits over L / Tm");
-  if constexpr (sizeof(Elem) == 2) {
+  auto tm_pair = [&](int e, float2& tb, float2& tm) {  // pair e of Tm diag(beta) and of Tm (zero above the diagonal)
+    const int i = e / (C / 2), j = 2 * (e % (C / 2));
+    const float2 t = *reinterpret_cast<const float2*>(sLT + i * L::LDL + j);
+    tm = make_float2(j <= i ? t.x : 0.f, j + 1 <= i ? t.y : 0.f);
+    tb = make_float2(j <= i ? t.x * sBeta[j] : 0.f, j + 1 <= i ? t.y * sBeta[j + 1] : 0.f);
+    if (ws_tm != nullptr) *reinterpret_cast<float2*>(ws_tm + i * C + j) = tm;
+    return i * L::LDC + j;
+  };
+  if constexpr (LO) {
+    constexpr int TB_PAIRS = C * C / 2 / NTH;  // pairs a thread forms
+    static_assert(TB_PAIRS * NTH == C * C / 2, "whole passes of the CTA");
+    static_assert(sizeof(Elem) * C * L::LDC <= 4 * C * L::LDL, "Tm diag(beta)'s lo tile fits over L / Tm");
+    uint32_t lo[TB_PAIRS];
+#pragma unroll
+    for (int k = 0; k < TB_PAIRS; ++k) {
+      float2 tb, tm;
+      const int o = tm_pair(tid + k * NTH, tb, tm);
+      uint32_t h;
+      split_pack(tb.x, tb.y, h, lo[k]);
+      *reinterpret_cast<uint32_t*>(sTb + o) = h;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
     if (tb_lo) {
 #pragma unroll
       for (int k = 0; k < TB_PAIRS; ++k) {
-        const int e = tid + k * NTH, i = e / (C / 2), j = 2 * (e % (C / 2));
-        *reinterpret_cast<uint32_t*>(sTblo + i * L::LDC + j) = tb_lo_pairs[k];
+        const int e = tid + k * NTH;
+        *reinterpret_cast<uint32_t*>(sTblo + (e / (C / 2)) * L::LDC + 2 * (e % (C / 2))) = lo[k];
       }
       __syncthreads();
     }
+  } else {
+    for (int e = tid; e < C * C / 2; e += NTH) {
+      float2 tb, tm;
+      const int o = tm_pair(e, tb, tm);
+      Op::store2(sTb + o, tb.x, tb.y);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
   }
+  // w = Tm diag(beta) (k exp2(G)) by role-0 warps and u = Tm diag(beta) v by role-1 warps, 64 columns a step.
   for (int it = 0; it < (NK64 > VS ? NK64 : VS); ++it) {
     if (it >= 2 && it < VS) {  // V > 128: the later v slices take turns in the two buffers
       __syncthreads();         // step it - 2 is done with the buffer
@@ -569,12 +564,14 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
 #pragma unroll
       for (int i = 0; i < 8; ++i) out[0][i].zero();
       const Elem* bsrc = w_step ? sKs + it * C * L::LD64 : sVb + (it & 1) * C * L::LD64;
-      if (u_step && tb_lo) warp_gemm<Elem, 1, 8, false, true>(out, sTblo, L::LDC, 16 * ab, bsrc, L::LD64, 0, 0, ab + 1);
+      if (LO && u_step && tb_lo) {
+        warp_gemm<Elem, 1, 8, false, true>(out, sTblo, L::LDC, 16 * ab, bsrc, L::LD64, 0, 0, ab + 1);
+      }
       warp_gemm<Elem, 1, 8, false, true>(out, sTb, L::LDC, 16 * ab, bsrc, L::LD64, 0, 0, ab + 1);
       Elem* dst = w_step ? ws_w + (16 * ab) * KP + 64 * it : ws_u + (16 * ab) * a.VP + 64 * it;
       const int ldd = w_step ? KP : a.VP;
-      // u's lo part where the backward asks for it (bf16 operands): the same hi, rounded to nearest.
-      Elem* lo = sizeof(Elem) == 2 && u_step && a.ws_ulo != nullptr
+      // u's lo part where the backward asks for it (LO): the same hi, rounded to nearest.
+      Elem* lo = LO && u_step && a.ws_ulo != nullptr
                      ? static_cast<Elem*>(a.ws_ulo) + ws_tile * C * a.VP + (16 * ab) * a.VP + 64 * it
                      : nullptr;
       for_each_acc<1, 8>([&](int, int nt, int e, int row, int col) {
