@@ -108,6 +108,8 @@ std::vector<Part> workspace_parts(const BackwardLaunch& b, const BackwardParams&
                              {b.off_ddt, tiles * K * 4, kGrad, kParams, "ddt_bias"}};
   if (f.esz == 2) parts.push_back({f.off_alo, tiles * C * C * f.esz, kFwd, kScan, "Aqk lo"});
   if (f.esz == 2) parts.push_back({b.off_ulo, tiles * C * f.VP * 2, kFwd, kWy, "u lo"});
+  if (f.esz == 2) parts.push_back({b.off_qglo, tiles * C * KP * 2, kFwd, kScan, "qg lo"});
+  if (f.esz == 2) parts.push_back({b.off_kglo, tiles * C * KP * 2, kFwd, kScan, "kg lo"});
   if (f.seg_ld > 0) {
     // The segment table: the scan reads it where it runs in segments.
     parts.push_back({f.off_seg_offsets, 8 * std::size_t(pr.N + 1), kFwd, b.segments > 0 ? kScan : kFwd,
@@ -215,7 +217,8 @@ TEST(BackwardPlan, SavedStatesRunThePrepareOnly) {
 }
 
 // d_initial_state_only: the forward's prepare (no state pass, no Tm or u lo part) and the scan; the workspace holds
-// the prepare's tiles, the forward's scratch and the scan's segments only, placed apart where they live together.
+// the prepare's tiles (with the scan's qg and kg lo parts), the forward's scratch and the scan's segments only,
+// placed apart where they live together.
 TEST(BackwardPlan, InitialStateGradientOnlyRunsThePrepareAndTheScan) {
   for (const int64_t T : {1000, 65536}) {  // the long one scans in segments
     BackwardCase c(1, T, T > 1000 ? 8 : 4, T > 1000 ? 8 : 8, 128, 128);
@@ -230,7 +233,8 @@ TEST(BackwardPlan, InitialStateGradientOnlyRunsThePrepareAndTheScan) {
     EXPECT_EQ(b.segments, full.segments);
     EXPECT_LT(b.total, full.total / 2) << "no chunk states, gradient parts or Tm";
     const std::vector<std::string> kept = {"chunk offsets", "w", "qg", "kg", "u", "Aqk", "gamma", "forward outputs",
-                                           "Aqk lo", "segment offsets", "segment states", "order", "scan segments"};
+                                           "Aqk lo", "qg lo", "kg lo", "segment offsets", "segment states", "order",
+                                           "scan segments"};
     std::vector<Part> parts;
     for (const Part& x : workspace_parts(b, c.p, c.plan().pr)) {
       if (std::find(kept.begin(), kept.end(), x.name) != kept.end()) parts.push_back(x);
