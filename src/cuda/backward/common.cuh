@@ -22,10 +22,11 @@ struct ChunkOf {
   int64_t b = 0, t0 = 0, len = 0, ci = 0, row0 = 0;
 };
 __device__ __forceinline__ bool chunk_of(const BackwardArgs& a, int64_t slot, ChunkOf& c) {
-  if (slot >= a.chunk_offsets[a.N]) return false;
-  c.n = owner_of(a.chunk_offsets, a.N, slot);
+  int64_t first;
+  c.n = chunk_owner(a, a.chunk_offsets, a.chunk, slot, first);
+  if (c.n < 0) return false;
   sequence(a, c.n, c.b, c.t0, c.len);
-  c.ci = slot - a.chunk_offsets[c.n];
+  c.ci = slot - first;
   c.row0 = c.t0 + c.ci * a.chunk;
   c.nrows = static_cast<int>(min(static_cast<int64_t>(a.chunk), c.len - c.ci * a.chunk));
   return true;

@@ -33,4 +33,29 @@ __device__ __forceinline__ int owner_of(const int64_t* offsets, int N, int64_t x
   return lo;
 }
 
+// x / d for x >= 0, d > 0: a 32-bit division where both fit (64-bit division is a long call).
+__device__ __forceinline__ int64_t div_nonneg(int64_t x, int64_t d) {
+  return x <= UINT32_MAX && d <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(x) / static_cast<uint32_t>(d))
+                                            : x / d;
+}
+
+// The sequence of chunk slot `slot` (chunk_offsets: [N + 1], the chunks of the sequences before n, as
+// chunk_offsets_kernel writes them) and the slot of that sequence's first chunk; -1 past the last chunk. Fixed-length
+// batches by arithmetic (every sequence has ceil(T / chunk) chunks, so offsets[n] = n ceil(T / chunk)) with no load
+// on the kernel's first dependent chain; varlen batches by a binary search of the offsets.
+__device__ __forceinline__ int chunk_owner(const KdaArgs& a, const int64_t* chunk_offsets, int chunk, int64_t slot,
+                                           int64_t& first) {
+  if (a.cu_seqlens.present()) {
+    if (slot >= chunk_offsets[a.N]) return -1;
+    const int n = owner_of(chunk_offsets, a.N, slot);
+    first = chunk_offsets[n];
+    return n;
+  }
+  const int64_t nch = div_nonneg(static_cast<int64_t>(a.T) + chunk - 1, chunk);
+  if (slot >= a.N * nch) return -1;
+  const int64_t n = div_nonneg(slot, nch);
+  first = n * nch;
+  return static_cast<int>(n);
+}
+
 }  // namespace kdakit::cuda

@@ -23,14 +23,15 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
   constexpr int NOFF = NSUB > 1 ? 2 * (NSUB - 1) : 2, NTH = kPrepareThreads;
   const int64_t slot = blockIdx.x;
   const int hv = blockIdx.y;
-  if (slot >= a.chunk_offsets[a.N]) {  // past the chunks: the padded token tail's output rows, if any
+  int64_t first;
+  const int n = chunk_owner(a, a.chunk_offsets, C, slot, first);
+  if (n < 0) {  // past the chunks: the padded token tail's output rows, if any
     zero_tail_rows<C>(a, slot - a.chunk_offsets[a.N], hv);
     return;
   }
-  const int n = owner_of(a.chunk_offsets, a.N, slot);
   int64_t b, t0, len;
   sequence(a, n, b, t0, len);
-  const int64_t c = slot - a.chunk_offsets[n];
+  const int64_t c = slot - first;
   const int64_t row0 = t0 + c * C;
   const int nrows = static_cast<int>(min(static_cast<int64_t>(C), len - c * C));
   if (a.state_slot(n) < 0) {  // padding: zero outputs and chunk state; the recurrence skips the sequence
