@@ -219,10 +219,7 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
           const int d = w4 * ROWS + row;
           const float x0 = dS[mt][nt].x[e], x1 = dS[mt][nt].x[e + 1];
           if constexpr (SPLIT) {
-            uint32_t hi, lo;
-            split_pack(x0, x1, hi, lo);
-            *reinterpret_cast<uint32_t*>(sS + d * LDB + cb + col) = hi;
-            *reinterpret_cast<uint32_t*>(sSlo + d * LDB + cb + col) = lo;
+            store_hi_lo(sS + d * LDB + cb + col, sSlo + d * LDB + cb + col, x0, x1);
           } else {
             Op::store2(sS + d * LDB + cb + col, x0, x1);
           }
@@ -258,10 +255,7 @@ __global__ void __launch_bounds__(bwd_scan_threads(BV), 1) backward_scan_kernel(
           const int r = 16 * w4 + row;
           const float x0 = r < nrows ? dv[0][nt].x[e] : 0.f, x1 = r < nrows ? dv[0][nt].x[e + 1] : 0.f;
           if constexpr (SPLIT) {
-            uint32_t hi, lo;
-            split_pack(-x0, -x1, hi, lo);
-            *reinterpret_cast<uint32_t*>(sDv + r * LDB + cb + col) = hi;
-            *reinterpret_cast<uint32_t*>(sDvlo + r * LDB + cb + col) = lo;
+            store_hi_lo(sDv + r * LDB + cb + col, sDvlo + r * LDB + cb + col, -x0, -x1);
           } else {
             Op::store2(sDv + r * LDB + cb + col, -x0, -x1);
           }

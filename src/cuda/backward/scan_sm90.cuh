@@ -9,9 +9,9 @@
 //   dS^T <- dS^T diag(gamma) + dO^T qg - dv_new^T w   (qg, then its lo tile; -dv_new^T as hi + lo A fragments).
 // Every product takes the state or dv_new (or dO) as its A operand from registers, so the warps share nothing within a
 // chunk: only the stage tiles (kg, qg, w, Aqk, the lo tiles of kg, qg and Aqk, gamma; the next chunk's copied during
-// this one) and dO come through shared memory, handed over by one barrier per chunk. The products' k-steps, splits and order are
-// scan_sm80.cuh's (the blocks of Aqk above its diagonal, which that kernel skips, are zeros: exact), so both kernels
-// give the same bits. Segments and transition tiles as there (scan_tile.cuh).
+// this one) and dO come through shared memory, handed over by one barrier per chunk. The products' k-steps, splits
+// and order are scan_sm80.cuh's (the blocks of Aqk above its diagonal, which that kernel skips, are zeros: exact), so
+// both kernels give the same bits. Segments and transition tiles as there (scan_tile.cuh).
 #pragma once
 
 #include <cstdint>
@@ -196,8 +196,9 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
     // dh_c = dS.
     if (writes) store_acc_key_rows(a.ws_dh + tile * K * V, S, v0, K, V);
 
-    // dv_new^T = dS^T kg^T + dO^T Aqk (kg's lo tile after kg; Aqk's lo tile first). dS^T is split first, then decayed (the compiler makes a
-    // register of an accumulator written during MMAs wait for them, so the decay goes before, not under, them).
+    // dv_new^T = dS^T kg^T + dO^T Aqk (kg's lo tile after kg; Aqk's lo tile first). dS^T is split first, then decayed
+    // (the compiler makes a register of an accumulator written during MMAs wait for them, so the decay goes before,
+    // not under, them).
     FragA sa[KP / 16][2];
 #pragma unroll
     for (int kd = 0; kd < KP / 16; ++kd) acc_to_parts<2>(S[2 * kd], S[2 * kd + 1], sa[kd]);

@@ -50,11 +50,9 @@ struct BwdScanLayout {
     return std::size_t(elem_bytes) * (split() ? 2 : 1) * kBwdMaxChunk * lda() + sizeof(float) * KP;
   }
   constexpr std::size_t slot_bytes() const {
-    const std::size_t tiles = (paired() ? 2 : 1) * tile_bytes();
-    const std::size_t bytes = split() ? (tiles > aqk_bytes() ? tiles : aqk_bytes())
-                                      : tile_bytes() + (aqk_bytes() > tiles - tile_bytes() ? aqk_bytes()
-                                                                                            : tiles - tile_bytes());
-    return (bytes + 15) & ~std::size_t(15);
+    // bf16: a phase holds its tiles or (Aqk, gamma). Float: a tile, and beside it (Aqk, gamma) or (paired) w.
+    const std::size_t beside = split() ? 0 : tile_bytes(), tiles = (paired() ? 2 : 1) * tile_bytes() - beside;
+    return (beside + (tiles > aqk_bytes() ? tiles : aqk_bytes()) + 15) & ~std::size_t(15);
   }
   constexpr std::size_t fixed_bytes() const {
     return std::size_t(elem_bytes) * ldb() * ((split() ? 4 : 3) * kBwdMaxChunk + (split() ? 2 : 1) * std::size_t(KP));

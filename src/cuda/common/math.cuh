@@ -72,6 +72,16 @@ __device__ __forceinline__ void split_pack(float a, float b, uint32_t& hi, uint3
   lo = *reinterpret_cast<uint32_t*>(&l2);
 }
 
+// Stores two floats split as split_pack splits them: the hi bf16 pair at `hi`, the lo pair at `lo` (4-byte aligned
+// bf16 storage).
+template <typename T>
+__device__ __forceinline__ void store_hi_lo(T* hi, T* lo, float a, float b) {
+  uint32_t h, l;
+  split_pack(a, b, h, l);
+  *reinterpret_cast<uint32_t*>(hi) = h;
+  *reinterpret_cast<uint32_t*>(lo) = l;
+}
+
 // Splits two floats into three bf16 pairs: x ~= hi + mid + lo with ~24 significant bits (float32's), for products
 // that must keep float32 precision on bf16 tensor cores (six MMAs, Operand<Float3Split>).
 __device__ __forceinline__ void split3_pack(float a, float b, uint32_t& hi, uint32_t& mid, uint32_t& lo) {

@@ -260,12 +260,6 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
       const int64_t lo_at = ws_tile * C * KP + er0 * KP + d;
       Elem* gql = LO ? static_cast<Elem*>(a.ws_qglo) + lo_at : nullptr;
       Elem* gkl = LO ? static_cast<Elem*>(a.ws_kglo) + lo_at : nullptr;
-      auto store_split2 = [&](Elem* hi, Elem* lo, float2 x) {  // hi as Op::store2 rounds it
-        uint32_t h, l;
-        split_pack(x.x, x.y, h, l);
-        *reinterpret_cast<uint32_t*>(hi) = h;
-        *reinterpret_cast<uint32_t*>(lo) = l;
-      };
       auto store_kb = [&](int i, float2 kx) {  // this row's off-diagonal B operands for every later block
 #pragma unroll
         for (int cb = 1; cb < NSUB; ++cb) {
@@ -290,10 +284,10 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
           Op::store2(td + i * LDS, bd.x, bd.y);
           store_kb(i, kx);
           const float2 oq = aq * eAs, ow = ak * eA, ok = kx * ea;
-          if constexpr (LO) store_split2(gq + i * KP, gql + i * KP, oq);
+          if constexpr (LO) store_hi_lo(gq + i * KP, gql + i * KP, oq.x, oq.y);
           else Op::store2(gq + i * KP, oq.x, oq.y);
           Op::store2(gw + i * KP, ow.x, ow.y);
-          if constexpr (LO) store_split2(gk + i * KP, gkl + i * KP, ok);
+          if constexpr (LO) store_hi_lo(gk + i * KP, gkl + i * KP, ok.x, ok.y);
           else Op::store2(gk + i * KP, ok.x, ok.y);
           rho = rho + x[i];
         }
@@ -308,7 +302,7 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
           Op::store2(tq + i * LDS, aq.x, aq.y);
           Op::store2(tk + i * LDS, ak.x, ak.y);
           const float2 oq = aq * eAs, ow = ak * eA;
-          if constexpr (LO) store_split2(gq + i * KP, gql + i * KP, oq);
+          if constexpr (LO) store_hi_lo(gq + i * KP, gql + i * KP, oq.x, oq.y);
           else Op::store2(gq + i * KP, oq.x, oq.y);
           Op::store2(gw + i * KP, ow.x, ow.y);
         }
@@ -318,7 +312,7 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
           const float2 kv = raw(sraw_k, krow, a.k.st, pq, i) * sRk[er0 + i];
           const float2 kx = kv * exp2_2(rho), ok = kx * ea;
           store_kb(i, kx);
-          if constexpr (LO) store_split2(gk + i * KP, gkl + i * KP, ok);
+          if constexpr (LO) store_hi_lo(gk + i * KP, gkl + i * KP, ok.x, ok.y);
           else Op::store2(gk + i * KP, ok.x, ok.y);
           rho = rho + x[i];
         }
@@ -426,10 +420,7 @@ __global__ void __launch_bounds__(kPrepareThreads, sizeof(Elem) == 2 ? 2 : 1) pr
       // the output largely cancel, and Aqk's rounding is the largest error left (docs/perf-notes.md).
       auto store_a = [&](int off, float x0, float x1) {
         if constexpr (sizeof(Elem) == 2) {
-          uint32_t hi, lo;
-          split_pack(x0, x1, hi, lo);
-          *reinterpret_cast<uint32_t*>(ws_a + off) = hi;
-          *reinterpret_cast<uint32_t*>(ws_alo + off) = lo;
+          store_hi_lo(ws_a + off, ws_alo + off, x0, x1);
         } else {
           Op::store2(ws_a + off, x0, x1);
         }

@@ -119,10 +119,7 @@ __global__ void __launch_bounds__(RecurrenceWarps<BV>::THREADS) recurrence_kerne
       if ((e & 1) == 0) {
         const float x0 = S[mt][nt].x[e], x1 = S[mt][nt].x[e + 1];
         if constexpr (L::SPLIT_S) {
-          uint32_t hi, lo;
-          split_pack(x0, x1, hi, lo);
-          *reinterpret_cast<uint32_t*>(sS + d * L::LDB + cb + col) = hi;
-          *reinterpret_cast<uint32_t*>(sSlo + d * L::LDB + cb + col) = lo;
+          store_hi_lo(sS + d * L::LDB + cb + col, sSlo + d * L::LDB + cb + col, x0, x1);
         } else {
           Op::store2(sS + d * L::LDB + cb + col, x0, x1);
         }
