@@ -120,13 +120,14 @@ constexpr std::size_t bwd_state_smem(int C) {
 }
 
 // The WY pass with the state products on warpgroup MMAs (wy_states_sm90.cuh): three warpgroups, and a fixed
-// shared-memory layout (wy_states_sm90::Layout, about 183 KB, and 1 KB of slack to align its base to 1024 bytes).
+// shared-memory layout (wy_states_sm90::Layout, about 216 KB, and 1 KB of slack to align its base to 1024 bytes).
 constexpr int kWsSm90Threads = 384;
 constexpr std::size_t bwd_wy_states_sm90_smem() {
   // S and dH hi + lo tiles for 128 keys, dv_new and v_new hi + lo ([64][64] bf16 each); w [64][136], Tm hi + lo
-  // [64][72], dO, v, u and u's lo part [64][72] (bf16); dv_new staging [64][64] and beta [64] (f32).
+  // [64][72], dO, v, u and u's lo part [64][72] (bf16); dv_new staging [64][64] and beta [64] (f32); the dL and dP
+  // accumulators between value halves (f32, 32 a thread of two warpgroups).
   return 2 * (4 * 4096 + 4 * 4096 + 2 * 4096 + 2 * 4096 + 64 * 136 + 2 * 64 * 72 + 4 * 64 * 72) + 4 * 64 * 64 +
-         4 * 64 + 1024;
+         4 * 64 + 4 * 2 * 32 * 128 + 1024;
 }
 
 // The gradient pass, per (chunk, v-head), a 16-key slice at a time: the slice's q, k, gates, exp(lam), exp(rho),

@@ -111,7 +111,8 @@ struct Layout {
   static constexpr std::size_t u_rows = v_rows + 64 * LDR * 2;           // u, then its lo part: [2][64][LDR]
   static constexpr std::size_t dv_stage = u_rows + 2 * 64 * LDR * 2;     // dv_new f32 [64][64]
   static constexpr std::size_t beta = dv_stage + 64 * 64 * 4;            // [64] f32
-  static constexpr std::size_t bytes = beta + 64 * 4;
+  static constexpr std::size_t dlp = beta + 64 * 4;                      // dL, dP accumulators [2][32][128] f32
+  static constexpr std::size_t bytes = dlp + 2 * 32 * 128 * 4;
   static_assert(bytes + 1024 == bwd_wy_states_sm90_smem(), "the planner's size, with the alignment's slack");
   static_assert(h_tiles % 1024 == 0 && dv_tiles % 1024 == 0 && vn_tiles % 1024 == 0, "swizzle-aligned tiles");
 };
@@ -145,6 +146,11 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
   bf16* sU = reinterpret_cast<bf16*>(smem + L::u_rows);  // u, then u's lo part at 64 LDR
   float* sDvF = reinterpret_cast<float*>(smem + L::dv_stage);
   float* sBeta = reinterpret_cast<float*>(smem + L::beta);
+  // Warpgroups 1 and 2 keep their dL / dP accumulators here between value halves (element (i, e) of the thread's
+  // fragments at (4 i + e) 128 + its lane in the warpgroup: conflict-free), so that no role holds a third block of
+  // accumulators through the loads and the first phase. With them in registers the kernel needed more than its 168
+  // registers and ptxas ran every warpgroup MMA alone (C7512). Stored and reloaded exactly: the same bits.
+  float* sAcc = reinterpret_cast<float*>(smem + L::dlp) + (wg >= 1 ? (wg - 1) * 32 * 128 : 0) + (tid & 127);
 
   // The chunk's w (all keys) and Tm (zero outside rows [i, nrows) of column i, split), beta.
   {
@@ -178,11 +184,27 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
   const float* gdv = a.ws_dvnew + t_v;
   float dgam[2] = {0.f, 0.f};  // rowsum(S dH) of the thread's two (key, q) items (the loads below)
 
-  // The accumulators: warpgroup 0 dkg, 1 dkbg, 2 dqg ([64][KT * 64]); 1 dL, 2 dP ([64][64]).
-  FragC acc[2][8], acc2[8];
+  // The accumulators: warpgroup 0 dkg, 1 dkbg, 2 dqg ([64][KT * 64]); 1 dL, 2 dP ([64][64], in sAcc between value
+  // halves).
+  FragC acc[2][8];
   float rsum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // warpgroup 1: [8-column group][row r0, r0 + 8] of rowsum(dbv v)
 #pragma unroll
-  for (int i = 0; i < 8; ++i) acc[0][i].zero(), acc[1][i].zero(), acc2[i].zero();
+  for (int i = 0; i < 8; ++i) acc[0][i].zero(), acc[1][i].zero();
+  // The dL / dP accumulators of warpgroup wg >= 1: from sAcc (zero before the first value half).
+  auto load_acc2 = [&](FragC(&d)[8], bool first) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) d[i].x[e] = first ? 0.f : sAcc[(4 * i + e) * 128];
+    }
+  };
+  auto store_acc2 = [&](const FragC(&d)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sAcc[(4 * i + e) * 128] = d[i].x[e];
+    }
+  };
 
   const bf16* gu = static_cast<const bf16*>(a.ws_u) + tile * C * a.VP;
   const bf16* gulo = a.ws_ulo + tile * C * a.VP;  // the planner sets it for bf16 operands
@@ -266,8 +288,8 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
     // Phase 1: warpgroup 0 v_new (stored split), 1 dbv -> dv, rowsum(dbv v), dkbg; 2 dqg. fr: the A fragments each
     // keeps for phase 2 (v_new, dbv, dO).
     FragA fr[4][2];
-    if (wg == 0) {  // v_new = u - w S, accumulated in acc2 (which this warpgroup does not otherwise use)
-      FragC(&vn)[8] = acc2;
+    if (wg == 0) {  // v_new = u - w S
+      FragC vn[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) vn[i].zero();
 #pragma unroll
@@ -350,10 +372,12 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
       for (int kt = 0; kt < 2; ++kt) {
         if (kt < KT) mma_group<sm90::Major::K, false>(acc[kt], fr, sH + 2 * kt * TILE);
       }
-    } else if (wg == 1) {
-      mma_group<sm90::Major::K, false>(acc2, fr, sVn);
     } else {
-      mma_group<sm90::Major::K, true>(acc2, fr, sVn);
+      FragC acc2[8];
+      load_acc2(acc2, c0 == 0);
+      if (wg == 1) mma_group<sm90::Major::K, false>(acc2, fr, sVn);
+      else mma_group<sm90::Major::K, true>(acc2, fr, sVn);
+      store_acc2(acc2);
     }
   }
 
@@ -395,6 +419,8 @@ __global__ void __launch_bounds__(kWsSm90Threads, 1) backward_wy_states_sm90_ker
   if (wg >= 1) {
     float* out = (wg == 2 ? a.ws_dP : a.ws_dL) + tile * C * C;
     const float f = wg == 2 ? a.scale : -1.f;
+    FragC acc2[8];
+    load_acc2(acc2, V <= 0);  // zero where no value half ran
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
