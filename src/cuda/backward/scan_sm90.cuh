@@ -220,9 +220,11 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
 #pragma unroll
     for (int j = 0; j < C / 16; ++j) sm90::fence_operands(da[j]);
     sm90::fence_operands(dv);
+    sm90::fence_operands(S);
     {
       const sm90::TileDescriptors<KP, true> dkg(t.kg), dklo(t.klo);
       const sm90::TileDescriptors<64, false> daqk(t.aqk), dalo(t.alo);
+      const sm90::TileDescriptors<KP, false> dqg(t.qg), dqlo(t.qlo);
       sm90::arrive();
 #pragma unroll
       for (int kd = 0; kd < KP / 16; ++kd) {
@@ -238,7 +240,16 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
         for (int j = 0; j < C / 16; ++j) sm90::mma_rs<sm90::Major::MN>(dv, da[j], daqk(j));
       }
       sm90::commit();
-      sm90::wait<0>();
+      // dS^T += dO^T qg, then its lo tile: a second batch that needs nothing of dv_new, in flight while the warps
+      // finish dv_new below.
+      if (!trans) {
+#pragma unroll
+        for (int j = 0; j < C / 16; ++j) sm90::mma_rs<sm90::Major::MN>(S, da[j], dqg(j));
+#pragma unroll
+        for (int j = 0; j < C / 16; ++j) sm90::mma_rs<sm90::Major::MN>(S, da[j], dqlo(j));
+      }
+      sm90::commit();
+      sm90::wait<1>();
     }
     sm90::fence_operands(dv);
 #pragma unroll
@@ -254,19 +265,12 @@ __global__ void __launch_bounds__(kBwdScanSm90Threads, 1) backward_scan_sm90_ker
 #pragma unroll
     for (int kt = 0; kt < C / 16; ++kt) acc_to_parts<2>(dv[2 * kt], dv[2 * kt + 1], va[kt]);
 
-    // dS^T += dO^T qg (then its lo tile), then dS^T += (-dv_new^T) w (lo part first).
+    // dS^T += (-dv_new^T) w (lo part first), after the qg batch.
 #pragma unroll
     for (int kt = 0; kt < C / 16; ++kt) sm90::fence_operands(va[kt][0]), sm90::fence_operands(va[kt][1]);
-    sm90::fence_operands(S);
     {
-      const sm90::TileDescriptors<KP, false> dqg(t.qg), dqlo(t.qlo), dw(t.w);
+      const sm90::TileDescriptors<KP, false> dw(t.w);
       sm90::arrive();
-      if (!trans) {
-#pragma unroll
-        for (int j = 0; j < C / 16; ++j) sm90::mma_rs<sm90::Major::MN>(S, da[j], dqg(j));
-#pragma unroll
-        for (int j = 0; j < C / 16; ++j) sm90::mma_rs<sm90::Major::MN>(S, da[j], dqlo(j));
-      }
 #pragma unroll
       for (int kt = 0; kt < C / 16; ++kt) {
         sm90::mma_rs<sm90::Major::MN>(S, va[kt][1], dw(kt));
