@@ -54,15 +54,14 @@ __global__ void __launch_bounds__(kMergeThreads) backward_segment_merge_kernel(c
     }
     return;
   }
-  // The finish's first step: slot nseg - 1 <- M^T dht + E (a zero-end pre-scan there).
-  for (int64_t s = finish ? nseg - 1 : nseg - 2; s >= 1; --s) {
-    const int64_t g = g0 + s;
-    auto x_of = [&](int e) {
-      if (s < nseg - 1) return row(g + 1, e)[col];
-      return a.d_final.present() ? a.d_final.load(a.d_final.offset(n, hv, e, col, a.K, a.V, a.vk)) : 0.f;
-    };
-    merge_step<KP>(sS, sM, a.K, VT_cols, col, col_in, x_of, [&](int d) { return row(g, d); });
-  }
+  // Steps s = s1 .. 1: slot s <- M_s^T X + E_s, X the gradient just merged into slot s + 1; the finish's first step
+  // (s1 = nseg - 1, a zero-end pre-scan there) starts from dht.
+  const int64_t s1 = finish ? nseg - 1 : nseg - 2;
+  auto x0_of = [&](int e) {
+    if (!finish) return row(g0 + nseg - 1, e)[col];
+    return a.d_final.present() ? a.d_final.load(a.d_final.offset(n, hv, e, col, a.K, a.V, a.vk)) : 0.f;
+  };
+  merge_chain<KP>(smem_raw, a.K, VT_cols, col, col_in, s1, x0_of, [&](int64_t t) { return g0 + s1 - t; }, row);
 }
 
 }  // namespace kdakit::cuda

@@ -4,6 +4,7 @@
 #include <cstddef>
 
 #include "cuda/common/seqlen.cuh"
+#include "cuda/common/sm80/cp_async.cuh"
 #include "cuda/forward/args.h"
 
 namespace kdakit::cuda {
@@ -63,32 +64,6 @@ __device__ __forceinline__ void fold_step(float* sS, float* sM, int K, int m_col
   add_transition_product<KP>(sS, sM, K, m_col0, row, acc);
 }
 
-// One merge step for this CTA's column `col`: Y = M X + E over keys [0, K), X's rows e < K from x_of(e), E's and M's
-// rows from row(d) (E at column col, M at columns [m_col0, m_col0 + K)), Y written over E. sS and sM are the
-// MergeLayout tiles, sS free on entry; the step ends with a barrier (Y visible to the CTA). The forward's
-// merge and the backward's (whose slots hold transposed transitions) share it.
-template <int KP, typename XOf, typename Row>
-__device__ __forceinline__ void merge_step(float* sS, float* sM, int K, int m_col0, int col, bool col_in, XOf&& x_of,
-                                           Row&& row) {
-  using L = MergeLayout<KP>;
-  constexpr int RG = kMergeThreads / kMergeCols, RPT = KP / RG;
-  const int tid = threadIdx.x, j = tid % kMergeCols, rg = tid / kMergeCols;
-  for (int e = rg; e < KP; e += RG) sS[e * L::LDS + j] = col_in && e < K ? x_of(e) : 0.f;
-  float acc[RPT];
-#pragma unroll
-  for (int i = 0; i < RPT; ++i) {
-    const int d = rg + RG * i;
-    acc[i] = col_in && d < K ? row(d)[col] : 0.f;
-  }
-  add_transition_product<KP>(sS, sM, K, m_col0, row, acc);
-#pragma unroll
-  for (int i = 0; i < RPT; ++i) {
-    const int d = rg + RG * i;
-    if (col_in && d < K) row(d)[col] = acc[i];
-  }
-  __syncthreads();  // Y visible to the CTA before it is read as the next X
-}
-
 // A merge CTA's place: blockIdx.x over (sequence n, v-head hv, column block cb of CB), and the sequence's segments.
 // The forward's merge and the backward's share it.
 struct MergeCta {
@@ -109,9 +84,95 @@ __device__ __forceinline__ MergeCta merge_cta(const Args& a, int CB) {
   return m;
 }
 
+// The merge chain's shared memory: X twice ([2][kMergeCols][KP + 4]: a column's keys contiguous, read four at a
+// time; step s reads one buffer and writes Y into the other), then a ring of RING key blocks of M ([KP][kMergeKeys +
+// 4] each: rows 16-byte aligned, a warp's four rows on distinct banks). At most 99 KB: sm_86 / sm_89 run it too.
+template <int KP>
+struct MergeChainLayout {
+  static constexpr int LDX = KP + 4, LDB = kMergeKeys + 4, RING = KP <= 128 ? 4 : 2, BLOCK = KP * LDB;
+  static constexpr size_t bytes() { return sizeof(float) * (2 * kMergeCols * LDX + RING * BLOCK); }
+  static_assert(RING >= 2 && bytes() <= 99 * 1024, "the merge fits every sm_80+ device");
+};
+
+// The serial merge of one CTA's columns over `steps` steps: Y_t = M_t X_t + E_t, X_0[e] = x0_of(e), X_{t+1} = Y_t;
+// step t's rows are row(g_of(t), d): E at column col (Y written over it), M at columns [m_col0, m_col0 + K). M does
+// not depend on the chain, so its key blocks stream through the ring by cp.async, RING - 1 blocks ahead across step
+// boundaries, and the next step's E is loaded a step ahead; X stays in shared memory. The products run in
+// add_transition_product's order (each row's fma chain over the keys in order), so the bits are the same.
+template <int KP, typename X0Of, typename GOf, typename Row>
+__device__ __forceinline__ void merge_chain(char* smem, int K, int m_col0, int col, bool col_in, int64_t steps,
+                                            X0Of&& x0_of, GOf&& g_of, Row&& row) {
+  using L = MergeChainLayout<KP>;
+  constexpr int RG = kMergeThreads / kMergeCols, RPT = KP / RG, Q = kMergeKeys / 4;  // Q: 16-byte pieces a block row
+  const int tid = threadIdx.x, j = tid % kMergeCols, rg = tid / kMergeCols;
+  float* sX = reinterpret_cast<float*>(smem);
+  float* sM = sX + 2 * kMergeCols * L::LDX;
+  const int KB = (K + kMergeKeys - 1) / kMergeKeys;
+  const int64_t nb = steps * KB;
+  auto issue = [&](int64_t b) {  // block b's copies as one commit group (empty past the last block)
+    if (b < nb) {
+      const int64_t g = g_of(b / KB);
+      const int e0 = static_cast<int>(b % KB) * kMergeKeys;
+      float* dst = sM + static_cast<int>(b % L::RING) * L::BLOCK;
+      for (int p = tid; p < KP * Q; p += kMergeThreads) {
+        const int d = p / Q, c = 4 * (p % Q), key = e0 + c;
+        const int bytes = d < K ? 4 * max(0, min(4, K - key)) : 0;  // zeros past K (rows and keys)
+        cp_async16(dst + d * L::LDB + c, row(g, bytes > 0 ? d : 0) + (bytes > 0 ? m_col0 + key : 0), bytes);
+      }
+    }
+    cp_async_commit();
+  };
+  auto load_e = [&](int64_t t, float(&e)[RPT]) {
+    const int64_t g = g_of(t);
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int d = rg + RG * i;
+      e[i] = col_in && d < K ? row(g, d)[col] : 0.f;
+    }
+  };
+  for (int e = rg; e < KP; e += RG) sX[j * L::LDX + e] = col_in && e < K ? x0_of(e) : 0.f;
+  for (int b = 0; b < L::RING - 1; ++b) issue(b);
+  float acc[RPT], e_next[RPT];
+  load_e(0, acc);
+  if (steps > 1) load_e(1, e_next);
+  for (int64_t b = 0; b < nb; ++b) {
+    cp_async_wait<L::RING - 2>();
+    __syncthreads();  // block b and X visible to all; every thread done with block b - 1, whose slot is refilled now
+    issue(b + L::RING - 1);
+    const int64_t t = b / KB;
+    const int kb = static_cast<int>(b % KB);
+    const float* xs = sX + static_cast<int>(t & 1) * kMergeCols * L::LDX + j * L::LDX + kb * kMergeKeys;
+    const float* ms = sM + static_cast<int>(b % L::RING) * L::BLOCK + rg * L::LDB;
+#pragma unroll
+    for (int e = 0; e < kMergeKeys; e += 4) {
+      const float4 x = *reinterpret_cast<const float4*>(xs + e);
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        const float4 m = *reinterpret_cast<const float4*>(ms + RG * i * L::LDB + e);
+        acc[i] = fmaf(m.x, x.x, acc[i]);
+        acc[i] = fmaf(m.y, x.y, acc[i]);
+        acc[i] = fmaf(m.z, x.z, acc[i]);
+        acc[i] = fmaf(m.w, x.w, acc[i]);
+      }
+    }
+    if (kb == KB - 1) {  // Y_t, written over E_t and kept as X_{t+1} (read after the next block's barrier)
+      const int64_t g = g_of(t);
+      float* xn = sX + static_cast<int>((t + 1) & 1) * kMergeCols * L::LDX + j * L::LDX;
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        const int d = rg + RG * i;
+        if (col_in && d < K) row(g, d)[col] = acc[i];
+        xn[d] = acc[i];
+        acc[i] = e_next[i];
+      }
+      if (t + 2 < steps) load_e(t + 2, e_next);
+    }
+  }
+  cp_async_wait<0>();  // only empty groups are left; none in flight past the kernel's end
+}
+
 template <int KP>
 __global__ void __launch_bounds__(kMergeThreads) segment_merge_kernel(const ForwardArgs a) {
-  using L = MergeLayout<KP>;
   const int VT_cols = a.seg_ld - KP;  // value columns of a slot
   const MergeCta m = merge_cta(a, (VT_cols + kMergeCols - 1) / kMergeCols);
   const int cb = m.cb, hv = m.hv, n = m.n;
@@ -119,23 +180,21 @@ __global__ void __launch_bounds__(kMergeThreads) segment_merge_kernel(const Forw
   // Nothing to merge: one segment (two without a seed: the first's end is in place), or a padding sequence.
   if (nseg <= (a.cp_phase == kCpFinish ? 1 : 2) || a.state_slot(n) < 0) return;
   extern __shared__ __align__(16) char smem_raw[];
-  float* sS = reinterpret_cast<float*>(smem_raw);  // [KP][LDS] S_start(s), this CTA's columns
-  float* sM = sS + KP * L::LDS;                     // [KP][LDM] M_s, keys e0 .. e0 + kMergeKeys - 1
   const int col = cb * kMergeCols + static_cast<int>(threadIdx.x) % kMergeCols;
   const bool col_in = col < a.V;
   auto row = [&](int64_t g, int d) { return a.ws_seg + ((g * a.HV + hv) * KP + d) * a.seg_ld; };
   const int64_t g0 = a.seg_offsets[n];
-  // A context-parallel finish (seed): segment 0 was scanned from zero, so the chain starts one step earlier, from the
-  // handed-over state (initial, or zero): S_start(1) = M_0 S_start(0) + E_0.
+  // Steps s = s0 .. nseg - 2: S_start(s + 1) = M_s S_start(s) + E_s over slot s. Without a seed S_start(1) = E_0 is
+  // in place; a context-parallel finish (seed) scanned segment 0 from zero, so the chain starts one step earlier, from
+  // the handed-over state (initial, or zero).
   const bool seed = a.cp_phase == kCpFinish;
-  for (int64_t s = seed ? 0 : 1; s + 1 < nseg; ++s) {
-    const int64_t g = g0 + s;
-    auto x_of = [&](int e) {
-      if (s > 0) return row(g - 1, e)[col];
-      return a.initial.present() ? a.initial.load(a.initial.offset(0, hv, e, col, a.K, a.V, a.vk)) : 0.f;
-    };
-    merge_step<KP>(sS, sM, a.K, VT_cols, col, col_in, x_of, [&](int d) { return row(g, d); });
-  }
+  const int64_t s0 = seed ? 0 : 1;
+  auto x0_of = [&](int e) {
+    if (!seed) return row(g0, e)[col];
+    return a.initial.present() ? a.initial.load(a.initial.offset(0, hv, e, col, a.K, a.V, a.vk)) : 0.f;
+  };
+  merge_chain<KP>(smem_raw, a.K, VT_cols, col, col_in, nseg - 1 - s0, x0_of, [&](int64_t t) { return g0 + s0 + t; },
+                  row);
 }
 
 // A context-parallel summary (ForwardArgs::cp_phase, one sequence): the segments' scans (every segment, from zero)

@@ -74,9 +74,9 @@ void launch_recurrence_staged(const ForwardArgs& a, cudaStream_t stream) {
       return;
     }
     auto merge = segment_merge_kernel<KP>;
-    set_smem(merge, MergeLayout<KP>::bytes());
+    set_smem(merge, MergeChainLayout<KP>::bytes());
     const int64_t ctas = int64_t(a.N) * a.HV * ((a.seg_ld - KP + kMergeCols - 1) / kMergeCols);
-    merge<<<static_cast<unsigned>(ctas), kMergeThreads, MergeLayout<KP>::bytes(), stream>>>(a);
+    merge<<<static_cast<unsigned>(ctas), kMergeThreads, MergeChainLayout<KP>::bytes(), stream>>>(a);
     check_launch("segment_merge_kernel");
   }
   launch_recurrence_kind<Elem, KP, BV, false, ONE_STAGE, WG>(a, stream);
