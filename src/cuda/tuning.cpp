@@ -36,7 +36,7 @@ Tuning Tuning::from_environment() {
   t.backward_wgmma = env_int("KDAKIT_BACKWARD_WGMMA", 1) != 0;
   t.backward_scan_bv = env_choice("KDAKIT_BACKWARD_SCAN_BV", {16, 32, 64});
   t.forward_segments = env_int("KDAKIT_FORWARD_SEGMENTS", -1);
-  t.forward_segment_tokens = env_int("KDAKIT_FORWARD_SEGMENT_TOKENS", 8192);
+  t.forward_segment_tokens = env_int("KDAKIT_FORWARD_SEGMENT_TOKENS", 4096);
   const char* limit = std::getenv("KDAKIT_SMEM_LIMIT");
   t.smem_limit = limit != nullptr ? std::atol(limit) : 0;
   t.decode_warps = env_choice("KDAKIT_DECODE_WARPS", {1, 2, 4});

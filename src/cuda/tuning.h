@@ -5,7 +5,7 @@
 //   KDAKIT_FORWARD_BV=16|32|64|128      the recurrence's V tile (values the configuration does not have are ignored)
 //   KDAKIT_FORWARD_WGMMA=0              no warpgroup MMAs in the recurrence on Hopper (A/B timing)
 //   KDAKIT_FORWARD_SEGMENTS=<n>         the context-parallel cut's target segment count (1: no cuts)
-//   KDAKIT_FORWARD_SEGMENT_TOKENS=<n>   the shortest segment, in tokens (default 8192)
+//   KDAKIT_FORWARD_SEGMENT_TOKENS=<n>   the shortest segment, in tokens (default 4096)
 //   KDAKIT_SMEM_LIMIT=<bytes>           shared memory per block below the device's (emulates smaller GPUs)
 //   KDAKIT_BACKWARD_GRAD_CACHE=0        the backward's gradient kernel without its dP/dL cache (A/B timing)
 //   KDAKIT_BACKWARD_WGMMA=0             no warpgroup MMAs in the backward on Hopper (A/B timing)
@@ -24,7 +24,7 @@ struct Tuning {
   int forward_bv = 0;             // 0: the planner's choice
   bool forward_wgmma = true;
   int forward_segments = -1;      // < 0: the planner's choice
-  int forward_segment_tokens = 8192;
+  int forward_segment_tokens = 4096;
   long smem_limit = 0;            // 0: the device's limit
   bool backward_grad_cache = true;  // false: never the gradient kernel's cached form
   bool backward_wgmma = true;       // false: never the backward's warpgroup-MMA kernels

@@ -72,12 +72,16 @@ ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& pl
     wide_wins = t128 < t64;
   }
   if (bv == 64 && wide128 && wide_wins) bv = 128;
-  // Context parallelism for few heads: a sequence of at least 2 * segment_tokens tokens is cut into up to seg_target
-  // segments of at least segment_tokens (8192) tokens, seg_target = the wide-tile CTAs that one sequence leaves the
-  // SMs short of. Both depend on the head count and the device only, never on the batch (batch invariance).
+  // Context parallelism for few heads: where one sequence's wide-tile CTAs leave at least half the SMs idle, a
+  // sequence of at least 2 * segment_tokens tokens is cut into up to seg_target segments of at least segment_tokens
+  // (4096) tokens; seg_target = the SMs over the CTAs that the segments' tile (128 columns with warpgroup MMAs) gives
+  // one sequence, at most 32. Both depend on the head count and the device only, never on the batch (batch
+  // invariance).
   {
-    const int64_t per_seq = pr.HV * ((pr.V + wide - 1) / wide);
-    int target = static_cast<int>(std::min<int64_t>(32, sms / std::max<int64_t>(1, per_seq)));
+    const int seg_bv = wgmma && wide128 ? 128 : wide;
+    const int64_t wide_ctas = pr.HV * ((pr.V + wide - 1) / wide), seg_ctas = pr.HV * ((pr.V + seg_bv - 1) / seg_bv);
+    int target = 2 * wide_ctas <= sms ? static_cast<int>(std::min<int64_t>(32, sms / std::max<int64_t>(1, seg_ctas)))
+                                      : 1;
     if (tuning.forward_segments >= 0) target = tuning.forward_segments;
     const int min_tokens = std::max(1, tuning.forward_segment_tokens);
     const int min_chunks = std::max<int>(1, (min_tokens + p.chunk_size - 1) / p.chunk_size);
@@ -89,7 +93,7 @@ ForwardLaunch plan_forward_launch(const ForwardParams& p, const detail::Plan& pl
       fp.seg_min_chunks = min_chunks;
       // The segments supply the parallelism; wide tiles do the most work per chunk step (with warpgroup MMAs 128
       // columns).
-      bv = wgmma && wide128 ? 128 : wide;
+      bv = seg_bv;
     }
   }
   // Developer override (Tuning::forward_bv) among the widths this configuration has; the result does not depend on it.

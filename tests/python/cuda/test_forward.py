@@ -371,5 +371,5 @@ def test_recurrence_tile_width_does_not_change_bits(monkeypatch):
 
 
 def test_context_parallel_by_default_for_few_heads():
-    # 2 v-heads, 16384 tokens: cut by default (two segments of 8192 tokens).
+    # 2 v-heads, 16384 tokens: cut by default (four segments of 4096 tokens).
     check(make(1, 16384, 2, 2, 128))
