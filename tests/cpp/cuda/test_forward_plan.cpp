@@ -106,14 +106,16 @@ TEST(ForwardPlan, MoreThanOneWaveTakesWideTiles) {
 TEST(ForwardPlan, FewHeadsCutLongSequences) {
   const ForwardCase c(1, 65536, 8);
   const ForwardLaunch f = c.plan();
-  EXPECT_EQ(f.seg_target, 8);        // 132 SMs / (8 heads x 2 tiles of 64 columns)
-  EXPECT_EQ(f.seg_min_chunks, 128);  // 8192 tokens
-  EXPECT_EQ(f.segments, 8);          // 1024 chunks in 8 segments of 128
+  EXPECT_EQ(f.seg_target, 16);      // 132 SMs / (8 heads x 1 segment tile of 128 columns)
+  EXPECT_EQ(f.seg_min_chunks, 64);  // 4096 tokens
+  EXPECT_EQ(f.segments, 16);        // 1024 chunks in 16 segments of 64
   EXPECT_EQ(f.cfg.BV, 128);
   EXPECT_EQ(f.seg_ld, 128 + 128);
   expect_workspace_layout(f, c.p, detail::plan_forward(c.p).pr);
-  // A sequence too short to cut, and the override that turns cuts off.
-  EXPECT_EQ(ForwardCase(1, 8192, 8).plan().seg_target, 1);
+  // A sequence too short to cut (fewer than 2 x 64 chunks), one just long enough, and the override that turns cuts
+  // off.
+  EXPECT_EQ(ForwardCase(1, 8128, 8).plan().seg_target, 1);
+  EXPECT_EQ(ForwardCase(1, 8192, 8).plan().segments, 2);
   Tuning off;
   off.forward_segments = 1;
   EXPECT_EQ(c.plan(kH200, off).seg_target, 1);
@@ -271,7 +273,7 @@ TEST(ForwardPlan, SplitContextParallelHalvesShareOneWorkspace) {
     f.p.state.initial_state = device_view(DType::kFloat32, {1, H, 128, 128});
     return std::make_pair(s, f);
   };
-  const auto [s1, f1] = halves(8192, 8);
+  const auto [s1, f1] = halves(4096, 8);
   const ForwardLaunch a = s1.plan(), b = f1.plan();
   EXPECT_EQ(a.seg_target, 1);
   EXPECT_EQ(a.segments, 1);
@@ -283,7 +285,7 @@ TEST(ForwardPlan, SplitContextParallelHalvesShareOneWorkspace) {
   expect_workspace_layout(a, s1.p, detail::plan_forward(s1.p).pr);
   const auto [s8, f8] = halves(65536, 8);
   const ForwardLaunch c = s8.plan();
-  EXPECT_EQ(c.segments, ForwardCase(1, 65536, 8).plan().segments);  // 8: the one-GPU cut
+  EXPECT_EQ(c.segments, ForwardCase(1, 65536, 8).plan().segments);  // 16: the one-GPU cut
   EXPECT_EQ(c.total, f8.plan().total);
   // What the halves refuse, naming the argument.
   ForwardCase with_h0 = s1;
