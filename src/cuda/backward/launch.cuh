@@ -38,8 +38,6 @@ void launch_backward_scan(const BackwardArgs& a, const BackwardLaunch& bl, cudaS
         if (a.cp_phase != kCpFinish) go(kernel(std::true_type()), rows * a.HV * (bl.vt + segment_transition_tiles(KP, BV)));
         // A summary without d_initial: the pre-scan alone (its merge and scan serve d_initial only).
         if (a.cp_phase == kCpSummary && !a.d_initial.present()) return;
-        constexpr std::size_t fold = MergeLayout<KP>::bytes(), chain = MergeChainLayout<KP>::bytes();
-        static_assert(bwd_merge_smem(KP) == (fold > chain ? fold : chain), "the planner's merge size");
         auto merge = backward_segment_merge_kernel<KP>;
         set_dynamic_smem(reinterpret_cast<const void*>(merge), bl.smem.merge);
         const int64_t mctas = int64_t(a.N) * a.HV * ((a.V + kMergeCols - 1) / kMergeCols);

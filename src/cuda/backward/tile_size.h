@@ -9,6 +9,7 @@
 
 #include <cstddef>
 
+#include "cuda/cp/merge_layout.h"
 #include "kdakit/params.h"
 
 namespace kdakit::cuda {
@@ -159,14 +160,8 @@ constexpr bool bwd_grad_cache_fits(int C, std::size_t smem_optin, int parts) {
   return 2 * (bwd_grad_smem(C, true, parts) + 1024) <= smem_optin + 1024;
 }
 
-// The merge of the scan's segments (backward/merge.cuh): the larger of the summary's fold (cp/merge.cuh's
-// MergeLayout: S [KP][9] and M [KP][33] fp32) and the merge chain (MergeChainLayout: X [2][8][KP + 4], a ring of 4 M
-// blocks [KP][36] at KP <= 128, 2 at KP = 256).
-constexpr std::size_t bwd_merge_smem(int KP) {
-  const std::size_t fold = sizeof(float) * (std::size_t(KP) * 9 + std::size_t(KP) * 33);
-  const std::size_t chain = sizeof(float) * (2 * 8 * std::size_t(KP + 4) + (KP <= 128 ? 4 : 2) * std::size_t(KP) * 36);
-  return fold > chain ? fold : chain;
-}
+// The merge of the scan's segments (backward/merge.cuh; cp/merge_layout.h).
+constexpr std::size_t bwd_merge_smem(int KP) { return backward_merge_bytes(KP); }
 
 struct BackwardSmem {
   std::size_t scan = 0, wy = 0, state = 0, grad = 0, merge = 0;

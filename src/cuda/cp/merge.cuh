@@ -5,6 +5,7 @@
 
 #include "cuda/common/seqlen.cuh"
 #include "cuda/common/sm80/cp_async.cuh"
+#include "cuda/cp/merge_layout.h"
 #include "cuda/forward/args.h"
 
 namespace kdakit::cuda {
@@ -13,19 +14,10 @@ namespace kdakit::cuda {
 // in fp32, written over E_s (segment s + 1 reads its start state from slot s). S_start(1) = E_0 is already in place
 // (the scan of segment 0 starts from the caller's state). Narrow column blocks: the chain over segments is serial,
 // so the CTAs of one step should fill the SMs and each do little.
-constexpr int kMergeThreads = 256;
-constexpr int kMergeCols = 8;   // state columns per CTA
-constexpr int kMergeKeys = 32;  // keys of M staged at a time
-
-template <int KP>
-struct MergeLayout {
-  static constexpr int LDS = kMergeCols + 1, LDM = kMergeKeys + 1;
-  static constexpr size_t bytes() { return sizeof(float) * (KP * LDS + KP * LDM); }
-};
 
 // acc[i] += (M X)[rg + RG i] for this thread's rows, M's rows from row(d) at columns [m_col0, m_col0 + K), staged
 // kMergeKeys keys at a time in sM; X is the CTA's columns in sS, written by the caller and made visible by the first
-// barrier here. The merge's step and the fold's share it.
+// barrier here. The folds' steps (forward and backward) use it.
 template <int KP, typename Row>
 __device__ __forceinline__ void add_transition_product(const float* sS, float* sM, int K, int m_col0, Row&& row,
                                                        float (&acc)[KP / (kMergeThreads / kMergeCols)]) {
@@ -83,16 +75,6 @@ __device__ __forceinline__ MergeCta merge_cta(const Args& a, int CB) {
   m.nseg = a.segments_of((len + a.chunk - 1) / a.chunk, per);
   return m;
 }
-
-// The merge chain's shared memory: X twice ([2][kMergeCols][KP + 4]: a column's keys contiguous, read four at a
-// time; step s reads one buffer and writes Y into the other), then a ring of RING key blocks of M ([KP][kMergeKeys +
-// 4] each: rows 16-byte aligned, a warp's four rows on distinct banks). At most 99 KB: sm_86 / sm_89 run it too.
-template <int KP>
-struct MergeChainLayout {
-  static constexpr int LDX = KP + 4, LDB = kMergeKeys + 4, RING = KP <= 128 ? 4 : 2, BLOCK = KP * LDB;
-  static constexpr size_t bytes() { return sizeof(float) * (2 * kMergeCols * LDX + RING * BLOCK); }
-  static_assert(RING >= 2 && bytes() <= 99 * 1024, "the merge fits every sm_80+ device");
-};
 
 // The serial merge of one CTA's columns over `steps` steps: Y_t = M_t X_t + E_t, X_0[e] = x0_of(e), X_{t+1} = Y_t;
 // step t's rows are row(g_of(t), d): E at column col (Y written over it), M at columns [m_col0, m_col0 + K). M does
