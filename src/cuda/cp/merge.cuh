@@ -90,17 +90,21 @@ __device__ __forceinline__ void merge_chain(char* smem, int K, int m_col0, int c
   float* sX = reinterpret_cast<float*>(smem);
   float* sM = sX + 2 * kMergeCols * L::LDX;
   const int KB = (K + kMergeKeys - 1) / kMergeKeys;
-  const int64_t nb = steps * KB;
-  auto issue = [&](int64_t b) {  // block b's copies as one commit group (empty past the last block)
-    if (b < nb) {
-      const int64_t g = g_of(b / KB);
-      const int e0 = static_cast<int>(b % KB) * kMergeKeys;
-      float* dst = sM + static_cast<int>(b % L::RING) * L::BLOCK;
+  // The block issued next (step it, key block ikb, ring slot islot): counters, not divisions of a 64-bit block index.
+  int64_t it = 0;
+  int ikb = 0, islot = 0;
+  auto issue = [&]() {  // the next block's copies as one commit group (empty past the last step)
+    if (it < steps) {
+      const int64_t g = g_of(it);
+      const int e0 = ikb * kMergeKeys;
+      float* dst = sM + islot * L::BLOCK;
       for (int p = tid; p < KP * Q; p += kMergeThreads) {
         const int d = p / Q, c = 4 * (p % Q), key = e0 + c;
         const int bytes = d < K ? 4 * max(0, min(4, K - key)) : 0;  // zeros past K (rows and keys)
         cp_async16(dst + d * L::LDB + c, row(g, bytes > 0 ? d : 0) + (bytes > 0 ? m_col0 + key : 0), bytes);
       }
+      if (++ikb == KB) ikb = 0, ++it;
+      if (++islot == L::RING) islot = 0;
     }
     cp_async_commit();
   };
@@ -113,42 +117,44 @@ __device__ __forceinline__ void merge_chain(char* smem, int K, int m_col0, int c
     }
   };
   for (int e = rg; e < KP; e += RG) sX[j * L::LDX + e] = col_in && e < K ? x0_of(e) : 0.f;
-  for (int b = 0; b < L::RING - 1; ++b) issue(b);
+  for (int b = 0; b < L::RING - 1; ++b) issue();
   float acc[RPT], e_next[RPT];
   load_e(0, acc);
   if (steps > 1) load_e(1, e_next);
-  for (int64_t b = 0; b < nb; ++b) {
-    cp_async_wait<L::RING - 2>();
-    __syncthreads();  // block b and X visible to all; every thread done with block b - 1, whose slot is refilled now
-    issue(b + L::RING - 1);
-    const int64_t t = b / KB;
-    const int kb = static_cast<int>(b % KB);
-    const float* xs = sX + static_cast<int>(t & 1) * kMergeCols * L::LDX + j * L::LDX + kb * kMergeKeys;
-    const float* ms = sM + static_cast<int>(b % L::RING) * L::BLOCK + rg * L::LDB;
+  int slot = 0;
+  for (int64_t t = 0; t < steps; ++t) {
+    const float* xs = sX + static_cast<int>(t & 1) * kMergeCols * L::LDX + j * L::LDX;
+    for (int kb = 0; kb < KB; ++kb) {
+      cp_async_wait<L::RING - 2>();
+      __syncthreads();  // this block and X visible to all; every thread done with the previous block, whose slot is
+                        // refilled now
+      issue();
+      const float* ms = sM + slot * L::BLOCK + rg * L::LDB;
+      if (++slot == L::RING) slot = 0;
 #pragma unroll
-    for (int e = 0; e < kMergeKeys; e += 4) {
-      const float4 x = *reinterpret_cast<const float4*>(xs + e);
+      for (int e = 0; e < kMergeKeys; e += 4) {
+        const float4 x = *reinterpret_cast<const float4*>(xs + kb * kMergeKeys + e);
 #pragma unroll
-      for (int i = 0; i < RPT; ++i) {
-        const float4 m = *reinterpret_cast<const float4*>(ms + RG * i * L::LDB + e);
-        acc[i] = fmaf(m.x, x.x, acc[i]);
-        acc[i] = fmaf(m.y, x.y, acc[i]);
-        acc[i] = fmaf(m.z, x.z, acc[i]);
-        acc[i] = fmaf(m.w, x.w, acc[i]);
+        for (int i = 0; i < RPT; ++i) {
+          const float4 m = *reinterpret_cast<const float4*>(ms + RG * i * L::LDB + e);
+          acc[i] = fmaf(m.x, x.x, acc[i]);
+          acc[i] = fmaf(m.y, x.y, acc[i]);
+          acc[i] = fmaf(m.z, x.z, acc[i]);
+          acc[i] = fmaf(m.w, x.w, acc[i]);
+        }
       }
     }
-    if (kb == KB - 1) {  // Y_t, written over E_t and kept as X_{t+1} (read after the next block's barrier)
-      const int64_t g = g_of(t);
-      float* xn = sX + static_cast<int>((t + 1) & 1) * kMergeCols * L::LDX + j * L::LDX;
+    // Y_t, written over E_t and kept as X_{t+1} (read after the next block's barrier)
+    const int64_t g = g_of(t);
+    float* xn = sX + static_cast<int>((t + 1) & 1) * kMergeCols * L::LDX + j * L::LDX;
 #pragma unroll
-      for (int i = 0; i < RPT; ++i) {
-        const int d = rg + RG * i;
-        if (col_in && d < K) row(g, d)[col] = acc[i];
-        xn[d] = acc[i];
-        acc[i] = e_next[i];
-      }
-      if (t + 2 < steps) load_e(t + 2, e_next);
+    for (int i = 0; i < RPT; ++i) {
+      const int d = rg + RG * i;
+      if (col_in && d < K) row(g, d)[col] = acc[i];
+      xn[d] = acc[i];
+      acc[i] = e_next[i];
     }
+    if (t + 2 < steps) load_e(t + 2, e_next);
   }
   cp_async_wait<0>();  // only empty groups are left; none in flight past the kernel's end
 }
