@@ -1,4 +1,8 @@
 // Intra-card context parallelism, the merge of the segments' start states (spec §7.5; cp/segments.h).
+// Per (sequence, v-head, 8 value columns), in order over the sequence's segments: S_start(s+1) = M_s S_start(s) + E_s
+// in fp32, written over E_s (segment s + 1 reads its start state from slot s). S_start(1) = E_0 is already in place
+// (the scan of segment 0 starts from the caller's state). Narrow column blocks: the chain over segments is serial,
+// so the CTAs of one step should fill the SMs and each do little.
 #pragma once
 
 #include <cstddef>
@@ -9,11 +13,6 @@
 #include "cuda/forward/args.h"
 
 namespace kdakit::cuda {
-
-// Per (sequence, v-head, 8 value columns), in order over the sequence's segments: S_start(s+1) = M_s S_start(s) + E_s
-// in fp32, written over E_s (segment s + 1 reads its start state from slot s). S_start(1) = E_0 is already in place
-// (the scan of segment 0 starts from the caller's state). Narrow column blocks: the chain over segments is serial,
-// so the CTAs of one step should fill the SMs and each do little.
 
 // acc[i] += (M X)[rg + RG i] for this thread's rows, M's rows from row(d) at columns [m_col0, m_col0 + K), staged
 // kMergeKeys keys at a time in sM; X is the CTA's columns in sS, written by the caller and made visible by the first
