@@ -2,7 +2,8 @@
 the peers' call forms (kdakit.bench_peers) and the peer-suite helper (tools/gpu/fla_suite.py) on the CPU: the row
 matrix, every form's inputs, a row run end to end through kdakit's CPU path, the goal verdicts, the tables, cuDNN's
 layouts and training inputs checked against kdakit's CPU path standing in for cuDNN's op, the rewrite of FLA's test
-file and the summary of a JUnit file. Timings here are stand-ins; the GPU runs time."""
+file, the summary of a JUnit file, and the A/B tools' renaming of a base package (tools/gpu/ab_rename.sh). Timings
+here are stand-ins; the GPU runs time."""
 import importlib.util
 import json
 import sys
@@ -540,3 +541,21 @@ def test_fla_suite_reads_a_cut_short_log(tmp_path):
     assert [(r["id"], r["outcome"]) for r in rows] == [("test_chunk_varlen[H4-cu_seqlens[0, 15]-fp16]", "passed"),
                                                        ("test_chunk[B1]", "failed")]
     assert "not test_flash_kda_chunk" in fs.deselect_expr()
+
+
+def test_ab_rename_leaves_no_reference_to_the_current_package(tmp_path):
+    """tools/gpu/ab_rename.sh on a copy of this tree's package: every self-reference is renamed (the script's own
+    check passes), and one that its patterns miss fails the script instead of reaching an A/B."""
+    import shutil
+    import subprocess
+
+    shutil.copytree(ROOT / "python" / "kdakit", tmp_path / "kdakit_base")
+    script = str(ROOT / "tools" / "gpu" / "ab_rename.sh")
+    run = subprocess.run(["bash", script, str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    text = "\n".join(p.read_text() for p in (tmp_path / "kdakit_base").rglob("*.py"))
+    assert "import kdakit_base as kdakit" in text and "torch.ops.kdakit." not in text
+    assert "\nimport kdakit\n" not in text and "from kdakit." not in text and "from kdakit import" not in text
+    (tmp_path / "kdakit_base" / "late.py").write_text("def f():\n    from  kdakit import chunk_kda\n")  # two spaces
+    bad = subprocess.run(["bash", script, str(tmp_path)], capture_output=True, text=True)
+    assert bad.returncode == 1 and "late.py" in bad.stderr

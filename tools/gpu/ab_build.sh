@@ -7,8 +7,9 @@
 #   PREFIX/base            a patched copy of BASE_TREE (PREFIX/base-src), package `kdakit`, extension in the
 #                          nanobind domain `kdakit_base`
 #   PREFIX/site/kdakit     copy of PREFIX/cur/kdakit
-#   PREFIX/site/kdakit_base  copy of PREFIX/base/kdakit with its self-references renamed (imports, the lazy import
-#                          table, the torch custom-op namespace kdakit:: -> kdakit_base::); use PYTHONPATH=PREFIX/site
+#   PREFIX/site/kdakit_base  copy of PREFIX/base/kdakit with its self-references renamed (tools/gpu/ab_rename.sh:
+#                          imports, the lazy import table, the torch custom-op namespace kdakit:: -> kdakit_base::);
+#                          use PYTHONPATH=PREFIX/site
 #
 # Why: nanobind keeps its C++ type registry per domain; two extensions built with different NB_DOMAIN names do not
 # clash. The base copy's CMakeLists.txt gets `NB_DOMAIN kdakit_base` after NB_STATIC in its line
@@ -106,24 +107,6 @@ rm -rf "$site"
 mkdir -p "$site"
 cp -a "$prefix/cur/kdakit" "$site/kdakit"
 cp -a "$prefix/base/kdakit" "$site/kdakit_base"
-find "$site/kdakit_base" -name __pycache__ -prune -exec rm -rf {} +
-# Absolute self-references -> kdakit_base: the lazy import table ("kdakit.chunk"), `import kdakit` (bound to the name
-# kdakit, so the module body stays valid), `import kdakit.x`, `from kdakit.x import`, `from kdakit import`, and the
-# torch custom-op namespace ("kdakit::op", torch.ops.kdakit.op), which would otherwise be registered twice.
-find "$site/kdakit_base" -name '*.py' -print0 | xargs -0 sed -i -E \
-  -e 's/(["'"'"'])kdakit\./\1kdakit_base./g' \
-  -e 's/(["'"'"'])kdakit::/\1kdakit_base::/g' \
-  -e 's/torch\.ops\.kdakit\./torch.ops.kdakit_base./g' \
-  -e 's/^([[:space:]]*)import kdakit([[:space:]]*(#.*)?)$/\1import kdakit_base as kdakit\2/' \
-  -e 's/^([[:space:]]*)import kdakit\.([A-Za-z_][A-Za-z0-9_.]*) as /\1import kdakit_base.\2 as /' \
-  -e 's/^([[:space:]]*)from kdakit([. ])/\1from kdakit_base\2/'
-# Anything left that would import or call into the current package fails the build here, not silently in the A/B.
-left=$(grep -rnE '^[[:space:]]*(import|from)[[:space:]]+kdakit([. ]|$)|["'"'"']kdakit(\.|::)|torch\.ops\.kdakit\.' \
-         --include='*.py' "$site/kdakit_base" | grep -vE 'import kdakit_base as kdakit([[:space:]]|$)')
-if [[ -n $left ]]; then
-  echo "ab_build: self-references to kdakit left in kdakit_base (extend the sed in tools/gpu/ab_build.sh):" >&2
-  echo "$left" >&2
-  exit 1
-fi
+"$here/tools/gpu/ab_rename.sh" "$site" || exit 1
 echo "   $site/kdakit      <- $cur_tree"
 echo "   $site/kdakit_base <- $base_tree (nanobind domain kdakit_base)"

@@ -109,13 +109,9 @@ if [[ -n ${FK_GIT:-} ]]; then
   if compgen -G ".deps/wheels/flash_kda-*.whl" >/dev/null && [[ $(cat .deps/wheels/flash_kda.commit 2>/dev/null) == "$fk_commit" ]]; then
     echo "flashkda:   .deps/wheels/flash_kda-*.whl (FlashKDA ${fk_commit:0:12}) already there"
   else
-    venv=$tmp/fk-venv root=$PWD py=${FK_PYTHON:-}
-    if [[ -z $py ]]; then  # the GPU machine's Python: 3.12
-      for c in python3.12 python3; do
-        if "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then py=$c; break; fi
-      done
-    fi
-    [[ -n $py ]] || { echo "flashkda:   no Python 3.12 found (FK_PYTHON=<python3.12>)" >&2; exit 1; }
+    venv=$tmp/fk-venv root=$PWD
+    py=$(tools/gpu/python312.sh "${FK_PYTHON:-}") \
+      || { echo "flashkda:   no Python 3.12 found (FK_PYTHON=<python3.12>)" >&2; exit 1; }
     "$py" -m venv "$venv"
     "$venv/bin/pip" install -q "torch==${FK_TORCH:-2.11.0}" setuptools wheel ninja numpy
     mkdir -p "$tmp/fk"

@@ -1,0 +1,38 @@
+"""Small decode calls in place on state pools with spare slots, for compute-sanitizer (memcheck, racecheck): T = 1
+(the one-token form, its state staged over several passes) and T = 4 (verify: 2-D slot ids, random accepted counts,
+the state written after every token), fp32 and bf16 pools, v-first (int64 slot ids) and [K,V] layouts. Each CUDA call
+is checked against the CPU path of the same call on the same inputs (outputs and pool within 8e-3 relative RMS), and
+the slots no call names must stay bit for bit as they were. Exits non-zero if a check fails."""
+import sys
+
+import torch
+
+from kdakit import bench_decode as bd
+
+torch.manual_seed(1)
+bad = 0
+for form in ("spare-slots", "batch-kfirst"):
+    for T in (1, 4):
+        for pool, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            # 40 sequences x 16 heads: enough CTAs per SM for the staged tiles (DecodeConfig's passes).
+            case = bd.DecodeCase(bd.form_by_name(form), pool, dtype, T, 16, 16, 40)
+            x, _ = bd.decode_inputs(case, device="cpu")
+            pool0 = x["pool"].clone()
+            xc = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in x.items()}
+            bd.run_kdakit_decode(xc)
+            torch.cuda.synchronize()
+            bd.run_kdakit_decode(x)
+
+            def rel(a, b):
+                return ((a.float().cpu() - b.float()).norm() / b.float().norm()).item()
+
+            e_out, e_pool = rel(xc["out"], x["out"]), rel(xc["pool"], x["pool"])
+            named = set(x["idx"].flatten().tolist())
+            others = [i for i in range(pool0.shape[0]) if i not in named]
+            untouched = torch.equal(xc["pool"].cpu()[others], pool0[others]) if others else True
+            ok = e_out < 8e-3 and e_pool < 8e-3 and untouched
+            bad += not ok
+            print(f"{form} T{T} {pool}: out {e_out:.2e}, pool {e_pool:.2e}, {len(others)} other slots untouched "
+                  f"{untouched}: {'ok' if ok else 'FAILED'}")
+print("decode sanitize case", "OK" if bad == 0 else "FAILED")
+sys.exit(1 if bad else 0)
