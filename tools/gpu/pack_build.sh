@@ -20,7 +20,10 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 tree=$(cd "$1" && pwd)
 name=$2
 base=0
-[[ ${3:-} == --base ]] && base=1
+if [[ $# -gt 2 ]]; then
+  [[ $# -eq 3 && $3 == --base ]] || { echo "pack_build: after TREE NAME only --base, got: ${*:3}" >&2; exit 2; }
+  base=1
+fi
 deps=$here/.deps
 if [[ ! -d $deps/cutlass/include/cute ]]; then
   echo "pack_build: no CUTLASS headers in $deps/cutlass (tools/gpu/prepare_deps.sh)" >&2
