@@ -12,10 +12,8 @@
 #                          use PYTHONPATH=PREFIX/site
 #
 # Why: nanobind keeps its C++ type registry per domain; two extensions built with different NB_DOMAIN names do not
-# clash. The base copy's CMakeLists.txt gets `NB_DOMAIN kdakit_base` after NB_STATIC in its line
-# `nanobind_add_module(_C NB_STATIC src/python/module.cpp)` (sed on `nanobind_add_module(_C NB_STATIC `; fails if
-# there is no such line). The repository and BASE_TREE are never modified. The extension keeps its file name _C*.so
-# (its PyInit__C works as kdakit_base._C).
+# clash. The base copy's CMakeLists.txt gets `NB_DOMAIN kdakit_base` (tools/gpu/ab_domain.sh). The repository and
+# BASE_TREE are never modified. The extension keeps its file name _C*.so (its PyInit__C works as kdakit_base._C).
 #
 # KDAKIT_AB_PLAIN=1: no patch and no PREFIX/site, just the two builds in PREFIX/base and PREFIX/cur (tools/gpu/ab.sh,
 # which runs a command against each build in its own process).
@@ -62,16 +60,7 @@ find "$src" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
 [[ $keep == 0 ]] && rm -rf "$src/build"
 (cd "$base_tree" && tar "${excl[@]}" -cf - .) | (cd "$src" && tar -xf -) || { echo "copying $base_tree failed"; exit 1; }
 if [[ $plain != 1 ]]; then
-  pattern='nanobind_add_module(_C NB_STATIC '  # as in `nanobind_add_module(_C NB_STATIC src/python/module.cpp)`
-  if ! grep -qF "$pattern" "$src/CMakeLists.txt"; then
-    echo "ab_build: '$pattern' not found in $base_tree/CMakeLists.txt; cannot give the base build its own nanobind" \
-         "domain (edit the sed in tools/gpu/ab_build.sh to the tree's nanobind_add_module line)" >&2
-    grep -n nanobind_add_module "$src/CMakeLists.txt" >&2
-    exit 1
-  fi
-  sed -i 's|nanobind_add_module(_C NB_STATIC |nanobind_add_module(_C NB_STATIC NB_DOMAIN kdakit_base |' "$src/CMakeLists.txt"
-  grep -qF 'nanobind_add_module(_C NB_STATIC NB_DOMAIN kdakit_base ' "$src/CMakeLists.txt" \
-    || { echo "ab_build: patching CMakeLists.txt failed" >&2; exit 1; }
+  "$here/tools/gpu/ab_domain.sh" "$src" || exit 1
   echo "   base copy: $(grep -F 'NB_DOMAIN kdakit_base' "$src/CMakeLists.txt" | sed 's/^ *//')"
 fi
 echo "$fingerprint" >"$src/.ab-fingerprint"

@@ -39,18 +39,13 @@ fi
 key=$(printf '%s' "$tree" | md5sum | cut -c1-12)
 [[ $base == 1 ]] && key=$key-base
 src=$tree
-if [[ $base == 1 ]]; then  # a copy in the domain kdakit_base (as tools/gpu/ab_build.sh patches its base)
+if [[ $base == 1 ]]; then  # a copy in the domain kdakit_base (tools/gpu/ab_domain.sh)
   src=$deps/pack-src/$key
   mkdir -p "$src"
   find "$src" -mindepth 1 -maxdepth 1 -exec rm -rf {} +
   (cd "$tree" && tar --exclude=./build --exclude=./.deps --exclude=./.git --exclude=./.venv -cf - .) \
     | (cd "$src" && tar -xf -)
-  sed -i 's|nanobind_add_module(_C NB_STATIC |nanobind_add_module(_C NB_STATIC NB_DOMAIN kdakit_base |' \
-    "$src/CMakeLists.txt"
-  if ! grep -qF 'NB_DOMAIN kdakit_base' "$src/CMakeLists.txt"; then
-    echo "pack_build: patching CMakeLists.txt failed" >&2
-    exit 1
-  fi
+  "$here/tools/gpu/ab_domain.sh" "$src"
 fi
 wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT

@@ -1,13 +1,20 @@
-"""Small decode calls in place on state pools with spare slots, for compute-sanitizer (memcheck, racecheck): T = 1
-(the one-token form, its state staged over several passes) and T = 4 (verify: 2-D slot ids, random accepted counts,
-the state written after every token), fp32 and bf16 pools, v-first (int64 slot ids) and [K,V] layouts. Each CUDA call
-is checked against the CPU path of the same call on the same inputs (outputs and pool within 8e-3 relative RMS), and
-the slots no call names must stay bit for bit as they were. Exits non-zero if a check fails."""
+"""Small decode calls in place on state pools, for compute-sanitizer (memcheck, racecheck): T = 1 (the one-token form,
+its state staged over several passes) and T = 4 (verify: 2-D slot ids, random accepted counts, the state written after
+every token), fp32 and bf16 pools, v-first on a pool with spare slots (int64 slot ids) and [K,V] on a pool of exactly
+the named slots. Each CUDA call is checked against the CPU path of the same call on the same inputs (outputs and pool
+within 8e-3 relative RMS), and the slots no call names must stay bit for bit as they were. Exits non-zero if a check
+fails."""
 import sys
 
 import torch
 
 from kdakit import bench_decode as bd
+
+
+
+def rel(a, b):
+    return ((a.float().cpu() - b.float()).norm() / b.float().norm()).item()
+
 
 torch.manual_seed(1)
 bad = 0
@@ -22,9 +29,6 @@ for form in ("spare-slots", "batch-kfirst"):
             bd.run_kdakit_decode(xc)
             torch.cuda.synchronize()
             bd.run_kdakit_decode(x)
-
-            def rel(a, b):
-                return ((a.float().cpu() - b.float()).norm() / b.float().norm()).item()
 
             e_out, e_pool = rel(xc["out"], x["out"]), rel(xc["pool"], x["pool"])
             named = set(x["idx"].flatten().tolist())
