@@ -4,6 +4,9 @@ set(KDAKIT_CUDA_GENCODE "-gencode=arch=compute_90a,code=sm_90a;-gencode=arch=com
     CACHE STRING "nvcc -gencode flags for the kdakit kernels")
 find_package(CUDAToolkit REQUIRED)
 include(${CMAKE_CURRENT_LIST_DIR}/cutlass.cmake)
+if(NOT KDAKIT_CUDA_KERNELS OR NOT KDAKIT_CUDA_SOURCES)
+  return()
+endif()
 # The kernels join the library's objects; the libraries link the runtime (CMakeLists.txt), and KDAKIT_WITH_CUDA is
 # defined in the generated kdakit/config.h.
 target_sources(kdakit_objects PRIVATE ${KDAKIT_CUDA_SOURCES})

@@ -136,12 +136,13 @@ def run_row(args, bench, bench_decode, base, flush, row):
         names = ["o", "final_state"]
         call_cur = lambda: bench.run_kdakit(x)  # noqa: E731
         call_base = lambda: bench.run_kdakit(x, lib=base)  # noqa: E731
-        cur = outputs(call_cur(), names)
-        base = outputs(call_base(), names)
-        res["outputs"] = compare_all(cur, base)
+        # (not named `base`: the calls above close over the base package of that name)
+        out_cur = outputs(call_cur(), names)
+        out_base = outputs(call_base(), names)
+        res["outputs"] = compare_all(out_cur, out_base)
         if not all(v["equal"] for v in res["outputs"].values()):
-            res["cur_repeatable"] = all(v["equal"] for v in compare_all(cur, outputs(call_cur(), names)).values())
-        del cur, base
+            res["cur_repeatable"] = all(v["equal"] for v in compare_all(out_cur, outputs(call_cur(), names)).values())
+        del out_cur, out_base
         fn_cur, fn_base = call_cur, call_base
         xs = [x]
     else:
