@@ -250,10 +250,10 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
         stage_block_out<PoolT, KP>(S, one_smem, blockDim.x, p, passes);
         if (p + 1 == passes) {
           __syncthreads();
-          store_rows<PoolT, KP>(dst + tile_col0, o.V, one_smem, blockDim.x, passes);
+          store_rows<PoolT, KP, false>(dst + tile_col0, o.V, one_smem, blockDim.x, passes);
         }
       } else {
-        store_block_t<PoolT, L, VK>(S, dst, place(p), true);
+        store_block_t<PoolT, L, VK, false>(S, dst, place(p), true);
       }
     }
     if (tok && p + 1 < passes) {

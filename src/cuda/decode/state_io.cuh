@@ -74,7 +74,14 @@ __device__ __forceinline__ int key_pos(int d) {
 }
 
 // ---- state vectors -----------------------------------------------------------------------------------------
-// State traffic is streamed (read once, written once per call): evict-first cache hints.
+// State traffic is streamed: reads evict-first (each state is read once per call). Stores too (STREAM) where a call
+// writes a state several times (the multi-token forms: the lines leave L2 to the reads); the one-token form, which
+// writes each state once, stores with the default policy (docs/perf-notes.md).
+template <bool STREAM, typename V>
+__device__ __forceinline__ void put_state(V* p, const V& x) {
+  if constexpr (STREAM) __stcs(p, x);
+  else *p = x;
+}
 
 template <typename T, int N>
 __device__ __forceinline__ void load_state_vec(const T* p, int64_t off, int valid, bool vec, float* x) {
@@ -111,18 +118,20 @@ __device__ __forceinline__ void load_state_vec(const T* p, int64_t off, int vali
   }
 }
 
-template <typename T, int N>
+template <typename T, int N, bool STREAM = true>
 __device__ __forceinline__ void store_state_vec(T* p, int64_t off, int valid, bool vec, const float* x) {
   if (vec && valid >= N) {
     if constexpr (std::is_same<T, float>::value) {
 #pragma unroll
-      for (int i = 0; i < N; i += 4) __stcs(reinterpret_cast<float4*>(p + off + i), make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]));
+      for (int i = 0; i < N; i += 4) {
+        put_state<STREAM>(reinterpret_cast<float4*>(p + off + i), make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]));
+      }
     } else if constexpr (N == 8) {
-      __stcs(reinterpret_cast<uint4*>(p + off), make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]),
-                                                          pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7])));
+      put_state<STREAM>(reinterpret_cast<uint4*>(p + off), make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]),
+                                                                     pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7])));
     } else {
       static_assert(N == 4, "bf16 state vectors hold 4 or 8 elements");
-      __stcs(reinterpret_cast<uint2*>(p + off), make_uint2(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3])));
+      put_state<STREAM>(reinterpret_cast<uint2*>(p + off), make_uint2(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3])));
     }
   } else {
 #pragma unroll
@@ -188,22 +197,22 @@ __device__ __forceinline__ void load_kv_pair(const T* p, int valid, bool vec, fl
   x1 = valid > DJ ? at(DJ) : 0.f;
 }
 
-template <typename T, int DJ>
+template <typename T, int DJ, bool STREAM = true>
 __device__ __forceinline__ void store_kv_pair(T* p, int valid, bool vec, float x0, float x1) {
   if constexpr (!std::is_same<T, float>::value && DJ == 1) {
     if (vec && valid >= 2) {
-      __stcs(reinterpret_cast<unsigned int*>(p), pack_bf16(x0, x1));
+      put_state<STREAM>(reinterpret_cast<unsigned int*>(p), pack_bf16(x0, x1));
       return;
     }
   }
   if constexpr (std::is_same<T, float>::value && DJ == 1) {
     if (vec && valid >= 2) {
-      __stcs(reinterpret_cast<float2*>(p), make_float2(x0, x1));
+      put_state<STREAM>(reinterpret_cast<float2*>(p), make_float2(x0, x1));
       return;
     }
   }
   auto put = [&](int i, float x) {
-    if constexpr (std::is_same<T, float>::value) __stcs(p + i, x);
+    if constexpr (std::is_same<T, float>::value) put_state<STREAM>(p + i, x);
     else p[i] = __float2bfloat16_rn(x);
   };
   if (valid > 0) put(0, x0);
@@ -234,7 +243,7 @@ __device__ __forceinline__ void load_block(float (&S)[Tile<PoolT, VK, KP>::NJ][T
   }
 }
 
-template <typename T, typename L, bool VK>
+template <typename T, typename L, bool VK, bool STREAM = true>
 __device__ __forceinline__ void store_block_t(const float (&S)[L::NJ][L::ND], T* p, const Place& pl, bool vec) {
   if constexpr (VK) {
 #pragma unroll
@@ -242,15 +251,15 @@ __device__ __forceinline__ void store_block_t(const float (&S)[L::NJ][L::ND], T*
 #pragma unroll
       for (int dd = 0; dd < L::ND; dd += L::VEC) {
         const int r8 = (dd / L::VEC) * 8 * L::VEC;
-        store_state_vec<T, L::VEC>(p + pl.off + jj * pl.step + r8, 0, jj * 4 < pl.lim_j ? pl.lim_k - r8 : 0, vec,
-                                   &S[jj][dd]);
+        store_state_vec<T, L::VEC, STREAM>(p + pl.off + jj * pl.step + r8, 0, jj * 4 < pl.lim_j ? pl.lim_k - r8 : 0,
+                                           vec, &S[jj][dd]);
       }
     }
   } else {
 #pragma unroll
     for (int dd = 0; dd < L::ND; ++dd) {
-      store_kv_pair<T, kv_col_step<L>()>(p + pl.off + dd * pl.step, dd < pl.lim_k ? pl.lim_j : 0, vec, S[0][dd],
-                                         S[1][dd]);
+      store_kv_pair<T, kv_col_step<L>(), STREAM>(p + pl.off + dd * pl.step, dd < pl.lim_k ? pl.lim_j : 0, vec,
+                                                 S[0][dd], S[1][dd]);
     }
   }
 }
@@ -445,7 +454,7 @@ __device__ __forceinline__ void stage_block_out(const float (&S)[Tile<PoolT, fal
   }
 }
 
-template <typename PoolT, int KP>
+template <typename PoolT, int KP, bool STREAM = true>
 __device__ __forceinline__ void store_rows(PoolT* head_c0, int V, const char* sm, int nthreads, int tp) {
   using L = Tile<PoolT, false, KP>;
   const KvRows<L> r(nthreads, tp);
@@ -453,7 +462,7 @@ __device__ __forceinline__ void store_rows(PoolT* head_c0, int V, const char* sm
   const size_t step = size_t(r.rstep) * V;
 #pragma unroll 4
   for (int i = 0; i < L::NVEC * tp; ++i) {
-    __stcs(reinterpret_cast<uint4*>(to + i * step), *reinterpret_cast<const uint4*>(sm + r.copy_at(i)));
+    put_state<STREAM>(reinterpret_cast<uint4*>(to + i * step), *reinterpret_cast<const uint4*>(sm + r.copy_at(i)));
   }
 }
 

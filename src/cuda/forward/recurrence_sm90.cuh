@@ -1,8 +1,9 @@
 // The value-row recurrence's products on Hopper (VrowsStep, WG = true): warpgroup MMAs (common/sm90/gmma.cuh). Each
 // group of four warps (64 value rows) issues them together with its register A fragments, and the workspace tiles,
 // stored in the 128-byte-swizzled layout, are read from shared memory once per warpgroup instead of once per warp
-// (ldmatrix). The MMAs run asynchronously: the state's decay overlaps the first products. Same products, roundings and
-// k order as the mma.sync step (recurrence_sm80.cuh), so the same bits.
+// (ldmatrix). The MMAs run asynchronously: the output products of the chunk-start state are a batch of their own,
+// in flight while the warps form v_new. Same products, roundings and k order as the mma.sync step
+// (recurrence_sm80.cuh), so the same bits.
 #pragma once
 
 #include "cuda/common/sm90/gmma.cuh"
@@ -20,8 +21,10 @@ struct VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, true> {
   // The MMAs read the stage through the asynchronous proxy.
   __device__ __forceinline__ static void before_handover() { sm90::fence_shared_to_async(); }
 
-  // Every key step's A fragments first (they stay untouched until the MMAs are done), then per key step the lo
-  // products and the hi products, as the mma.sync step; S itself is not an operand, so its decay runs under them.
+  // Every key step's A fragments first (they stay untouched until the MMAs are done), then the decay (the compiler
+  // makes a register of an accumulator written during MMAs wait for all of them, so it goes before, not under,
+  // them). Then vn's products, per key step lo then hi as the mma.sync step, as one batch, and o's as a second batch
+  // that v_new's epilogue does not wait for (value_products' wait completes it).
   template <typename Decay>
   __device__ __forceinline__ static void state_products(FragC (&S)[ND], const Stage& t, int, FragC (&vn)[NC],
                                                         FragC (&o)[NC], Decay&& decay) {
@@ -33,6 +36,7 @@ struct VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, true> {
       sm90::fence_operands(sa[kd][0]);
       sm90::fence_operands(sa[kd][1]);
     }
+    decay();
     sm90::fence_operands(vn);
     sm90::fence_operands(o);
     const sm90::TileDescriptors<KP, true> dw(t.w);
@@ -41,16 +45,19 @@ struct VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, true> {
 #pragma unroll
     for (int kd = 0; kd < KP / 16; ++kd) {
 #pragma unroll
-      for (int part = 0; part < 2; ++part) {
-        sm90::mma_rs<sm90::Major::K>(vn, sa[kd][1 - part], dw(kd));
-        if constexpr (!NO_OUT) sm90::mma_rs<sm90::Major::K>(o, sa[kd][1 - part], dq(kd));
-      }
+      for (int part = 0; part < 2; ++part) sm90::mma_rs<sm90::Major::K>(vn, sa[kd][1 - part], dw(kd));
     }
     sm90::commit();
-    decay();
-    sm90::wait<0>();
+    if constexpr (!NO_OUT) {
+#pragma unroll
+      for (int kd = 0; kd < KP / 16; ++kd) {
+#pragma unroll
+        for (int part = 0; part < 2; ++part) sm90::mma_rs<sm90::Major::K>(o, sa[kd][1 - part], dq(kd));
+      }
+      sm90::commit();
+    }
+    sm90::wait<NO_OUT ? 0 : 1>();
     sm90::fence_operands(vn);
-    sm90::fence_operands(o);
 #pragma unroll
     for (int kd = 0; kd < KP / 16; ++kd) {
       sm90::fence_operands(sa[kd][0]);
