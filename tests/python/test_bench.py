@@ -2,7 +2,8 @@
 the peers' call forms (kdakit.bench_peers) and the peer-suite helper (tools/gpu/fla_suite.py) on the CPU: the row
 matrix, every form's inputs, a row run end to end through kdakit's CPU path, the goal verdicts, the tables, cuDNN's
 layouts and training inputs checked against kdakit's CPU path standing in for cuDNN's op, the rewrite of FLA's test
-file, the summary of a JUnit file, and the A/B tools' renaming of a base package (tools/gpu/ab_rename.sh). Timings
+file, the summary of a JUnit file, and the A/B tools' renaming of a base package (tools/gpu/ab_rename.sh) and row
+runner (tools/gpu/ab_compare.py). Timings
 here are stand-ins; the GPU runs time."""
 import importlib.util
 import json
@@ -559,3 +560,37 @@ def test_ab_rename_leaves_no_reference_to_the_current_package(tmp_path):
     (tmp_path / "kdakit_base" / "late.py").write_text("def f():\n    from  kdakit import chunk_kda\n")  # two spaces
     bad = subprocess.run(["bash", script, str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 1 and "late.py" in bad.stderr
+
+
+def test_ab_compare_runs_a_forward_and_a_decode_row(monkeypatch):
+    """tools/gpu/ab_compare.py's row runner on the CPU, kdakit standing in for both builds: a forward row and a decode
+    row each come out bit-identical with both timings (CUDA timing and synchronisation stubbed)."""
+    import types
+
+    spec = importlib.util.spec_from_file_location("ab_compare", ROOT / "tools" / "gpu" / "ab_compare.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+
+    def forward_inputs(B, T, H, HV, lens):
+        x = {n: torch.randn(B, T, h, bench.D, dtype=torch.bfloat16) for n, h in (("q", H), ("k", H), ("v", HV),
+                                                                                   ("g", HV))}
+        x["beta"] = torch.randn(B, T, HV, dtype=torch.bfloat16)
+        x["A_log"], x["dt_bias"] = bench.gate_params(HV, device="cpu")
+        x["h0"], x["cu"], x["cu_cpu"] = torch.randn(B, HV, bench.D, bench.D), None, None
+        return x, 0
+
+    timed = []
+    stub = types.SimpleNamespace(forward_inputs=forward_inputs, run_kdakit=bench.run_kdakit,
+                                 time_ms=lambda fn, reps, flush: (fn(), timed.append(1), 1.0)[-1])
+    stub_decode = types.SimpleNamespace(decode_inputs=lambda case: bd.decode_inputs(case, device="cpu"),
+                                        run_kdakit_decode=bd.run_kdakit_decode)
+    args = types.SimpleNamespace(reps=2, block=1, profile=False)
+    rows = [dict(name="forward", kind="forward", shape=(1, 20, 1, 1, None), seed=1),
+            dict(name="decode", kind="decode", case=small_case("batch-vfirst"), seed=2)]
+    for row in rows:
+        res = ab.run_row(args, stub, stub_decode, kdakit, None, row)
+        assert res["equal"] and res["outputs"], (row["name"], res)
+        assert res["base_ms"] == res["cur_ms"] == 1.0 and res["ratio"] == 1.0
+    assert len(timed) == 2 * 2 * 2  # rows x reps x builds
