@@ -3,7 +3,7 @@ the peers' call forms (kdakit.bench_peers) and the peer-suite helper (tools/gpu/
 matrix, every form's inputs, a row run end to end through kdakit's CPU path, the goal verdicts, the tables, cuDNN's
 layouts and training inputs checked against kdakit's CPU path standing in for cuDNN's op, the rewrite of FLA's test
 file, the summary of a JUnit file, and the A/B tools' renaming of a base package (tools/gpu/ab_rename.sh) and row
-runner (tools/gpu/ab_compare.py). Timings
+runner (tools/gpu/ab_compare.py), and the detached-job helper (tools/gpu/detached.sh). Timings
 here are stand-ins; the GPU runs time."""
 import importlib.util
 import json
@@ -594,3 +594,21 @@ def test_ab_compare_runs_a_forward_and_a_decode_row(monkeypatch):
         assert res["equal"] and res["outputs"], (row["name"], res)
         assert res["base_ms"] == res["cur_ms"] == 1.0 and res["ratio"] == 1.0
     assert len(timed) == 2 * 2 * 2  # rows x reps x builds
+
+
+def test_detached_job_does_not_hold_the_callers_output(tmp_path):
+    """tools/gpu/detached.sh returns after its wait even when its output is piped: the job it starts keeps none of the
+    caller's file descriptors (a job holding the pipe would keep `detached.sh ... | tail` waiting for the job)."""
+    import os
+    import subprocess
+    import time
+
+    env = dict(os.environ, KDAKIT_DETACHED_DIR=str(tmp_path / "job"), OUT=str(tmp_path / "out"))
+    script = ROOT / "tools" / "gpu" / "detached.sh"
+    t0 = time.monotonic()
+    run = subprocess.run(f"bash {script} 1 sleep 6 | tail -n 1", shell=True, env=env, capture_output=True, text=True,
+                         timeout=60)
+    took = time.monotonic() - t0
+    assert "still running" in run.stdout, run.stdout + run.stderr
+    assert took < 4, took
+    subprocess.run(["bash", str(script), "10", "true"], env=env, capture_output=True, timeout=60)  # collect the job

@@ -25,7 +25,10 @@ if ! running; then
     rm -rf "$job"
     mkdir -p "$job/out"
     printf '%q ' "$@" >"$job/command"
-    OUT=$job/out setsid bash -c '"$@" >"$0/console.log" 2>&1 </dev/null; echo $? >"$0/status"' "$job" "$@" &
+    # Its own stdio off the caller's: a job that kept it would hold a pipe the caller reads (`detached.sh ... | tail`)
+    # open until the job ends.
+    OUT=$job/out setsid bash -c '"$@" >"$0/console.log" 2>&1 </dev/null; echo $? >"$0/status"' "$job" "$@" \
+      >/dev/null 2>&1 </dev/null &
     echo $! >"$job/pid"
     echo "detached: started $(cat "$job/command")"
   fi
