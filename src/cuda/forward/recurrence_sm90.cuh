@@ -21,10 +21,10 @@ struct VrowsStep<Elem, KP, BV, NO_OUT, ONE_STAGE, true> {
   // The MMAs read the stage through the asynchronous proxy.
   __device__ __forceinline__ static void before_handover() { sm90::fence_shared_to_async(); }
 
-  // Every key step's A fragments first (they stay untouched until the MMAs are done), then the decay (the compiler
-  // makes a register of an accumulator written during MMAs wait for all of them, so it goes before, not under,
-  // them). Then vn's products, per key step lo then hi as the mma.sync step, as one batch, and o's as a second batch
-  // that v_new's epilogue does not wait for (value_products' wait completes it).
+  // Every key step's A fragments first (they stay untouched until the MMAs are done), then the decay: S was last
+  // written by MMAs, and a write to it after a batch is issued is made to wait for the whole batch (ptxas C7517), so
+  // it goes before, not under, the products. Then vn's products, per key step lo then hi as the mma.sync step, as one
+  // batch, and o's as a second batch that v_new's epilogue does not wait for (value_products' wait completes it).
   template <typename Decay>
   __device__ __forceinline__ static void state_products(FragC (&S)[ND], const Stage& t, int, FragC (&vn)[NC],
                                                         FragC (&o)[NC], Decay&& decay) {
