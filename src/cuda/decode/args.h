@@ -100,8 +100,8 @@ struct DecodeOneArgs {
 };
 static_assert(sizeof(DecodeOneArgs) <= 192, "DecodeOneArgs: at most 192 bytes (see above)");
 
-// The general kernel's argument block starts with the one-token form's packed arguments (see DecodeOneArgs): its
-// ONE instance reads only those, from the block's first constant-cache lines.
+// The general kernel's argument block starts with the one-token form's packed arguments (see DecodeOneArgs), whose
+// tiling fields (passes, vt_shift, prefetch_ahead) it reads too.
 struct DecodeOneHead {
   DecodeOneArgs one;
 };

@@ -6,7 +6,6 @@
 #include "cuda/common/gate.cuh"
 #include "cuda/common/seqlen.cuh"
 #include "cuda/decode/inputs.cuh"
-#include "cuda/decode/one_token.cuh"
 #include "cuda/decode/token_math.cuh"
 #include "cuda/decode/wide_kv.cuh"
 
@@ -58,26 +57,14 @@ __device__ __forceinline__ int later_read_slot(const DecodeArgs& a, unsigned& hv
 // output has the pool's dtype and vector alignment. The tile's places then need no K / V masks and fold to
 // constants, where the masked form spends most of its instructions on such bookkeeping (docs/perf-notes.md).
 //
-// ONE (the host checked DecodeConfig::one's conditions): sequences of one token take decode_one_token, whose
-// register preparation holds q, k and the gate of a thread's keys beside its state (up to 128 registers: four CTAs
-// per SM); longer ones (varlen calls whose lengths the host could not read) the general path.
-//
 // WIDE (DecodeConfig::wide_kv, FULL bf16 [K,V] at KP = 128; 0: not wide): columns per thread; the state in registers
 // across tokens, 16 WIDE columns per CTA, loaded and stored by its threads (wide_kv.cuh); not staged.
-template <typename PoolT, bool VK, int KP, bool FULL, bool ONE, int WIDE = 0>
-__global__ void __launch_bounds__(kDecodeMaxWarps * 32,
-                                  (ONE ? 4 : decode_min_blocks<PoolT, VK, KP, FULL, WIDE>()))
+template <typename PoolT, bool VK, int KP, bool FULL, int WIDE = 0>
+__global__ void __launch_bounds__(kDecodeMaxWarps * 32, (decode_min_blocks<PoolT, VK, KP, FULL, WIDE>()))
     decode_kernel(const DecodeArgs a) {
   using namespace decode_detail;
-  static_assert(!(ONE && FULL), "the one-token form falls back to the general (masked) path");
   static_assert(WIDE == 0 || (FULL && !VK && KP == 128 && std::is_same<PoolT, __nv_bfloat16>::value),
                 "wide tiles: whole bf16 [K,V] tiles at K = 128");
-  if constexpr (ONE) {
-    if (a.one.staged() ? decode_one_call<PoolT, VK, KP, true>(a.one)
-                         : decode_one_call<PoolT, VK, KP, false>(a.one)) {
-      return;
-    }
-  }
   using L = Tile<PoolT, VK, KP>;
   constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL, GRP = L::GRP;
   constexpr int MC = kDecodeMaxTileCols / 32;  // tile columns per lane in the preparation

@@ -17,22 +17,23 @@ void launch_decode_kernel(const DecodeArgs& a, const DecodeConfig& cfg, cudaStre
   const unsigned rows = static_cast<unsigned>(a.N) + (a.tail_cta ? 1u : 0u);
   const dim3 grid(a.one.vt_shift() > 0 ? rows << a.one.vt_shift() : rows, static_cast<unsigned>(a.HV),
                   a.one.vt_shift() > 0 ? 1u : static_cast<unsigned>(a.vtiles));
-  auto kernel = cfg.full ? decode_kernel<PoolT, VK, KP, true, false> : decode_kernel<PoolT, VK, KP, false, false>;
-  if constexpr (!VK && KP == 128 && std::is_same<PoolT, __nv_bfloat16>::value) {
-    if (cfg.wide_kv == 8) kernel = decode_kernel<PoolT, VK, KP, true, false, 8>;
-    if (cfg.wide_kv == 4) kernel = decode_kernel<PoolT, VK, KP, true, false, 4>;
-  }
-  bool one_entry = false;
   if constexpr (KP <= 128) {
-    one_entry = cfg.one_entry;
-    if (one_entry) {
-      auto one = cfg.one_staged ? decode_one_kernel<PoolT, VK, KP, true> : decode_one_kernel<PoolT, VK, KP, false>;
+    if (cfg.one) {
+      auto one = cfg.one_staged ? (cfg.one_multi ? decode_one_kernel<PoolT, VK, KP, true, true>
+                                                 : decode_one_kernel<PoolT, VK, KP, true, false>)
+                                : (cfg.one_multi ? decode_one_kernel<PoolT, VK, KP, false, true>
+                                                 : decode_one_kernel<PoolT, VK, KP, false, false>);
       one<<<grid, 32 * cfg.warps, cfg.smem, stream>>>(a.one);
-    } else if (cfg.one) {
-      kernel = decode_kernel<PoolT, VK, KP, false, true>;
+      check_launch("decode_one_kernel");
+      return;
     }
   }
-  if (!one_entry) kernel<<<grid, 32 * cfg.warps, cfg.smem, stream>>>(a);
+  auto kernel = cfg.full ? decode_kernel<PoolT, VK, KP, true> : decode_kernel<PoolT, VK, KP, false>;
+  if constexpr (!VK && KP == 128 && std::is_same<PoolT, __nv_bfloat16>::value) {
+    if (cfg.wide_kv == 8) kernel = decode_kernel<PoolT, VK, KP, true, 8>;
+    if (cfg.wide_kv == 4) kernel = decode_kernel<PoolT, VK, KP, true, 4>;
+  }
+  kernel<<<grid, 32 * cfg.warps, cfg.smem, stream>>>(a);
   check_launch("decode_kernel");
 }
 

@@ -1,4 +1,5 @@
-// The decode's one-token form: calls whose sequences have at most one token (the engines' decode step). Each thread
+// The decode's one-token form: calls whose sequences have at most one token (the engines' decode step), or varlen calls
+// of at most N tokens whose lengths live on the device (a longer sequence then runs token by token). Each thread
 // loads and prepares in registers exactly the inputs it uses, with no barrier; its state goes straight to registers
 // (one pass) or, at large batches (STAGED), through the thread's own slots of a staged tile (docs/ARCHITECTURE.md).
 #pragma once
@@ -11,9 +12,10 @@
 namespace kdakit::cuda {
 namespace decode_detail {
 
-// The whole call for this CTA's tile (all its passes) when its sequence has at most one token; false (nothing done) when
-// it has more (varlen calls whose lengths the host could not read), for the general path to take over. Needs what
-// the host checked (DecodeConfig::one): K == KP, whole V tiles, vector-aligned token rows and states in the pool's
+// The whole call for this CTA's tile (all its passes). Its sequence has at most one token, or (MULTI: varlen calls
+// of at most N tokens whose lengths the host could not read) any number, a longer one run token by token, each token
+// exactly as a one-token sequence's (the same loads, preparation and token math, the state in registers between
+// tokens, as the general form keeps it). Needs what the host checked (DecodeConfig::one): K == KP, whole V tiles, vector-aligned token rows and states in the pool's
 // dtype, 1-D or no slot indices, no per-token states, q, k, v, g, beta and out of one dtype (In), dt_bias and A_log
 // float32. Element types are compile-time here: at small batches a CTA's time is mostly the fetch of the
 // instructions it runs (docs/perf-notes.md), and run-time dtype switches per load multiply them.
@@ -54,8 +56,8 @@ __device__ __forceinline__ void zero_rows(const DecodeOneArgs& o, int row, int l
 }
 
 // Side: g and beta's element type (In, or float32 next to 16-bit inputs).
-template <typename PoolT, bool VK, int KP, bool STAGED, typename In, typename Side>
-__device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const OneTokenSeq& sq_) {
+template <typename PoolT, bool VK, int KP, bool STAGED, bool MULTI, typename In, typename Side>
+__device__ __forceinline__ void decode_one_token(const DecodeOneArgs& o, const OneTokenSeq& sq_) {
   using L = Tile<PoolT, VK, KP>;
   constexpr int ND = L::ND, NJ = L::NJ, KL = L::KL;
   constexpr int RUN = VK ? L::VEC : (ND < 8 ? ND : 8);  // consecutive keys of a thread per load (load_run)
@@ -77,12 +79,13 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   const int slot1 = sq_.slot1, has = sq_.has, row = sq_.row, len = sq_.len;
   if (sq_.pad) {
     zero_rows<In>(o, row, len, hv, o.cta_vtile() * bv * passes, bv * passes);
-    return true;
+    return;
   }
   LaterTile later;
   if constexpr (STAGED) later.locate<VK, KP>(o, one_range);
-  if (len > 1) return false;
-  const bool tok = len == 1;
+  if (!MULTI && len > 1) return;  // not reached: without MULTI the host knows every length
+  const bool tok = MULTI ? len >= 1 : len == 1;
+  const bool multi = MULTI && len > 1;
   // v and beta at this thread's NJ columns of pass p, loaded one pass ahead of their use. beta per head (not per
   // column): one value, activated once.
   float xq[ND], xk[ND], xg[QN], bias[QN], xv[NJ], xb[NJ], nq_raw[KL], nk_raw[KL];
@@ -100,23 +103,33 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       if (o.beta_cols()) xb_[jj] = to_float(__ldg(bt + c));
     }
   };
-  if (tok) {
-    // Offsets in 32 bits (the host checked that every token tensor's do), pointers advanced by compile-time steps.
-    const In* q = static_cast<const In*>(o.q.p) + o.q.offset(row, h);
-    const In* k = static_cast<const In*>(o.k.p) + o.k.offset(row, h);
+  // Token r's q and k at the thread's keys and the norms' keys, and its gate inputs. Offsets in 32 bits (the host
+  // checked that every token tensor's do), pointers advanced by compile-time steps.
+  auto load_qkg = [&](int r) {
+    const In* q = static_cast<const In*>(o.q.p) + o.q.offset(r, h);
+    const In* k = static_cast<const In*>(o.k.p) + o.k.offset(r, h);
     const int d0 = key_of<L, VK>(0, lane);
 #pragma unroll
-    for (int r = 0; r < ND / RUN; ++r) {
-      const int dr = key_of<L, VK>(r * RUN, 0) - key_of<L, VK>(0, 0);  // compile-time
-      load_run<RUN>(q + d0 + dr, &xq[r * RUN]);
-      load_run<RUN>(k + d0 + dr, &xk[r * RUN]);
+    for (int j = 0; j < ND / RUN; ++j) {
+      const int dr = key_of<L, VK>(j * RUN, 0) - key_of<L, VK>(0, 0);  // compile-time
+      load_run<RUN>(q + d0 + dr, &xq[j * RUN]);
+      load_run<RUN>(k + d0 + dr, &xk[j * RUN]);
     }
 #pragma unroll
     for (int i = 0; i < KL; ++i) {  // the norms' keys (norm_sums): loaded beside the thread's own, in flight together
       nq_raw[i] = to_float(__ldg(q + lane + 32 * i));
       nk_raw[i] = to_float(__ldg(k + lane + 32 * i));
     }
-    load_run<QN>(static_cast<const Side*>(o.g.p) + o.g.offset(row, hv) + gkey, xg);
+    load_run<QN>(static_cast<const Side*>(o.g.p) + o.g.offset(r, hv) + gkey, xg);
+  };
+  // Token r's v and beta rows; beta per head loaded here (activated in the preparation).
+  auto locate_v_beta = [&](int r) {
+    v = static_cast<const In*>(o.v.p) + o.v.offset(r, hv) + wcol0;
+    bt = static_cast<const Side*>(o.beta.p) + o.beta.offset(r, hv) + (o.beta_cols() ? wcol0 : 0);
+    if (!o.beta_cols()) beta_head = to_float(__ldg(bt));
+  };
+  if (tok) {
+    load_qkg(row);
     if (o.gate_mode() != 0 && o.dt_bias != nullptr) {
       load_run<QN>(o.dt_bias + hv * KP + gkey, bias);
     } else {
@@ -124,9 +137,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       for (int i = 0; i < QN; ++i) bias[i] = 0.f;
     }
     alog = o.A_log != nullptr ? __ldg(o.A_log + hv) : 0.f;
-    v = static_cast<const In*>(o.v.p) + o.v.offset(row, hv) + wcol0;
-    bt = static_cast<const Side*>(o.beta.p) + o.beta.offset(row, hv) + (o.beta_cols() ? wcol0 : 0);
-    if (!o.beta_cols()) beta_head = to_float(__ldg(bt));
+    locate_v_beta(row);
     load_v_beta(0, xv, xb);
   }
 
@@ -179,7 +190,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
   // The preparation, once for all passes: the same operations in the same order as the general path (norm_sums,
   // its preparation and token math), so that a sequence's bits do not depend on which form ran it.
   float gv[ND], qkn = 0.f;
-  if (tok) {
+  auto prepare = [&]() {
     float sq, sk, qk;
     norm_sums<KL>(nq_raw, nk_raw, sq, sk, qk);
     const float eps = static_cast<float>(math::kL2NormEps);
@@ -200,8 +211,32 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       const int from = VK ? (dd / QN) * 8 + (lane & 7) : (lane & ~3) | (dd / QN);
       gv[dd] = __shfl_sync(0xffffffffu, gq[dd % QN], from);
     }
-  }
+  };
+  if (tok) prepare();
   const int orow = tok ? o.out.offset(row, hv) + wcol0 : 0;
+  // The token at output row offset orow_, on pass p's columns: S *= exp(g); kS and qS in one pass; e = beta (v - kS);
+  // o = qS + (q.k) e; S += k e^T.
+  auto token_step = [&](int p, int orow_) {
+    constexpr int GRP = L::GRP;
+    float e[NJ];
+    token_sums_e<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
+#pragma unroll
+      for (int i = 0; i < GRP; ++i) {
+        q_[i] = xq[dd + i];
+        k_[i] = xk[dd + i];
+        g_[i] = gv[dd + i];
+      }
+    }, [&](int jj, float pk, float pq, bool store) {
+      const float bj = o.beta_cols() ? beta_fast(xb[jj], o.beta_sigmoid(), o.neg_eigval()) : beta_head;
+      const float ej = bj * (xv[jj] - pk);
+      if (store) static_cast<In*>(o.out.p)[orow_ + p * bv + col_of<L, VK>(jj, lane)] = from_float<In>(fmaf(qkn, ej, pq));
+      return ej;
+    }, e);
+    token_update<L>(S, [&](int dd, float (&k_)[GRP]) {
+#pragma unroll
+      for (int i = 0; i < GRP; ++i) k_[i] = xk[dd + i];
+    }, e);
+  };
 
   for (int p = 0; p < passes; ++p) {
     if (STAGED) {
@@ -221,28 +256,21 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       }
     }
     float nv[NJ], nb[NJ];
-    if (tok && p + 1 < passes) load_v_beta(p + 1, nv, nb);
-    if (tok) {
-      // The token: S *= exp(g); kS and qS in one pass; e = beta (v - kS); o = qS + (q.k) e; S += k e^T.
-      constexpr int GRP = L::GRP;
-      float e[NJ];
-      token_sums_e<L, VK>(S, [&](int dd, float (&q_)[GRP], float (&k_)[GRP], float (&g_)[GRP]) {
-#pragma unroll
-        for (int i = 0; i < GRP; ++i) {
-          q_[i] = xq[dd + i];
-          k_[i] = xk[dd + i];
-          g_[i] = gv[dd + i];
+    if (tok && !multi && p + 1 < passes) load_v_beta(p + 1, nv, nb);
+    if (multi) {
+      // Token by token on this pass's columns; pass 0's first token was prepared above.
+#pragma unroll 1
+      for (int t = 0; t < len; ++t) {
+        if (p > 0 || t > 0) {
+          load_qkg(row + t);
+          locate_v_beta(row + t);
+          load_v_beta(p, xv, xb);
+          prepare();
         }
-      }, [&](int jj, float pk, float pq, bool store) {
-        const float bj = o.beta_cols() ? beta_fast(xb[jj], o.beta_sigmoid(), o.neg_eigval()) : beta_head;
-        const float ej = bj * (xv[jj] - pk);
-        if (store) static_cast<In*>(o.out.p)[orow + p * bv + col_of<L, VK>(jj, lane)] = from_float<In>(fmaf(qkn, ej, pq));
-        return ej;
-      }, e);
-      token_update<L>(S, [&](int dd, float (&k_)[GRP]) {
-#pragma unroll
-        for (int i = 0; i < GRP; ++i) k_[i] = xk[dd + i];
-      }, e);
+        token_step(p, o.out.offset(row + t, hv) + wcol0);
+      }
+    } else if (tok) {
+      token_step(p, orow);
     }
     if (wslot >= 0) {
       PoolT* dst = static_cast<PoolT*>(o.final_state) + int64_t(wslot) * o.slot_stride + head_block;
@@ -256,7 +284,7 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
         store_block_t<PoolT, L, VK, false>(S, dst, place(p), true);
       }
     }
-    if (tok && p + 1 < passes) {
+    if (tok && !multi && p + 1 < passes) {
 #pragma unroll
       for (int i = 0; i < NJ; ++i) {
         xv[i] = nv[i];
@@ -264,36 +292,54 @@ __device__ __forceinline__ bool decode_one_token(const DecodeOneArgs& o, const O
       }
     }
   }
-  return true;
 }
 
-// The one-token form for this CTA: the sequence's scalars, then the body for q's dtype. False: the sequence has
-// more than one token (the general path takes over). STAGED: the state staged in shared memory over o.passes()
-// passes; a compile-time flag, so that the one-pass body (small batches, where a CTA's time follows the code it
-// fetches) carries no code of the staged one.
-template <typename PoolT, bool VK, int KP, bool STAGED>
-__device__ __forceinline__ bool decode_one_call(const DecodeOneArgs& o) {
+// A sequence of more than one token in a MULTI launch: a function of its own (arguments by value, so that the kernel
+// does not copy its parameters to local memory), whose registers and spills leave the one-token body's alone.
+template <typename PoolT, bool VK, int KP, bool STAGED, typename In, typename Side>
+__device__ __noinline__ void decode_one_multi(const DecodeOneArgs o, const OneTokenSeq seq) {
+  decode_one_token<PoolT, VK, KP, STAGED, true, In, Side>(o, seq);
+}
+
+// The one-token form for this CTA: the sequence's scalars, then the body for q's dtype. STAGED: the state staged in
+// shared memory over o.passes() passes; a compile-time flag, so that the one-pass body (small batches, where a CTA's
+// time follows the code it fetches) carries no code of the staged one. MULTI: a longer sequence, if any, runs token by
+// token (decode_one_multi).
+template <typename PoolT, bool VK, int KP, bool STAGED, bool MULTI>
+__device__ __forceinline__ void decode_one_call(const DecodeOneArgs& o) {
   const OneTokenSeq seq(o);  // before the dispatch, which waits for a kernel parameter
   const DType in_dt = o.in_dtype();
+  if (MULTI && seq.len > 1 && !seq.pad) {
+    if (in_dt == DType::kBFloat16) {
+      if (o.side32()) decode_one_multi<PoolT, VK, KP, STAGED, __nv_bfloat16, float>(o, seq);
+      else decode_one_multi<PoolT, VK, KP, STAGED, __nv_bfloat16, __nv_bfloat16>(o, seq);
+    } else if (in_dt == DType::kFloat16) {
+      if (o.side32()) decode_one_multi<PoolT, VK, KP, STAGED, __half, float>(o, seq);
+      else decode_one_multi<PoolT, VK, KP, STAGED, __half, __half>(o, seq);
+    } else {
+      decode_one_multi<PoolT, VK, KP, STAGED, float, float>(o, seq);
+    }
+    return;
+  }
   if (in_dt == DType::kBFloat16) {
-    return o.side32() ? decode_one_token<PoolT, VK, KP, STAGED, __nv_bfloat16, float>(o, seq)
-                      : decode_one_token<PoolT, VK, KP, STAGED, __nv_bfloat16, __nv_bfloat16>(o, seq);
+    if (o.side32()) decode_one_token<PoolT, VK, KP, STAGED, false, __nv_bfloat16, float>(o, seq);
+    else decode_one_token<PoolT, VK, KP, STAGED, false, __nv_bfloat16, __nv_bfloat16>(o, seq);
+  } else if (in_dt == DType::kFloat16) {
+    if (o.side32()) decode_one_token<PoolT, VK, KP, STAGED, false, __half, float>(o, seq);
+    else decode_one_token<PoolT, VK, KP, STAGED, false, __half, __half>(o, seq);
+  } else {
+    decode_one_token<PoolT, VK, KP, STAGED, false, float, float>(o, seq);
   }
-  if (in_dt == DType::kFloat16) {
-    return o.side32() ? decode_one_token<PoolT, VK, KP, STAGED, __half, float>(o, seq)
-                      : decode_one_token<PoolT, VK, KP, STAGED, __half, __half>(o, seq);
-  }
-  return decode_one_token<PoolT, VK, KP, STAGED, float, float>(o, seq);
 }
 
 }  // namespace decode_detail
 
-// The one-token form's own entry, for calls in which the host knows every sequence has at most one token (fixed
-// T = 1, or lengths read on the host): it takes only the packed DecodeOneArgs (at most 192 bytes, DecodeArgs' first
-// bytes), so its launch carries a small argument block, and holds no general path (no fall-back to size for).
-template <typename PoolT, bool VK, int KP, bool STAGED>
+// The one-token form's kernel: it takes only the packed DecodeOneArgs (at most 192 bytes, DecodeArgs' first bytes), so
+// its launch carries a small argument block. MULTI (varlen calls of at most N tokens whose lengths live on the device):
+// a longer sequence, if any, runs token by token in the same launch.
+template <typename PoolT, bool VK, int KP, bool STAGED, bool MULTI>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 4) decode_one_kernel(const DecodeOneArgs o) {
-  decode_detail::decode_one_call<PoolT, VK, KP, STAGED>(o);
+  decode_detail::decode_one_call<PoolT, VK, KP, STAGED, MULTI>(o);
 }
 
 }  // namespace kdakit::cuda

@@ -82,8 +82,8 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
   const int bv = warps * kDecodeWarpCols;
   // Tokens staged at a time: the longest sequence when known (any sequence is at most T long), up to 16. Device-side
   // cu_seqlens of at most one token per sequence on average (T <= N: the engines' varlen decode) stage one token at a
-  // time: the staging then leaves room for the state tile of the one-token form, and a longer sequence, if any, is
-  // staged token by token.
+  // time where the general form runs them (the one-token form's conditions do not hold): its staging then leaves the
+  // most room for the state tile.
   // 2-D slot indices bound every sequence's length by their columns (T_max, spec §5.4): device cu_seqlens of verify
   // calls then stage T_max tokens, not 16.
   const bool count_one = pr.varlen && !plan.cu_known && pr.T <= pr.N;
@@ -119,7 +119,7 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
   }
   // One token per sequence (serving decode): the register-prepared form, where its conditions hold
   // (DecodeConfig::one). Without known lengths (device cu_seqlens) a call of at most N tokens still takes it; a
-  // longer sequence's CTAs then run the general path in the same launch, with the same tile. Its tile: below.
+  // longer sequence's CTAs then run it token by token in the same launch (DecodeConfig::one_multi). Its tile: below.
   const bool at_most_one = longest <= 1 || count_one;
   const auto aligned16 = [](const TensorView& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; };
   const auto offsets32 = [](const TensorView& t) {  // every element's offset fits an int
@@ -200,10 +200,9 @@ DecodeLaunch plan_decode_launch(const DecodeParams& p, const detail::Plan& plan,
   if (pr.HV > 65535) {
     throw InvalidArgument("v", "at most 65535 value heads for the CUDA decode, got " + std::to_string(pr.HV));
   }
-  cfg.one_entry = cfg.one && longest <= 1;
-  // The one-token entry needs shared memory only for a staged state (several passes); the ONE instance of the general
-  // kernel holds the general path's layout, whose state tile is the same size.
-  cfg.smem = !cfg.one_entry ? smem_of(passes)
+  cfg.one_multi = cfg.one && longest > 1;
+  // The one-token form needs shared memory only for a staged state.
+  cfg.smem = !cfg.one ? smem_of(passes)
              : cfg.one_staged ? decode_staged_bytes(cfg.KP, pool_bytes, 32 * warps, passes)
                             : 0;
   cfg.full = d.stage_state && pr.K == cfg.KP && pr.V % (int64_t(bv) * passes) == 0 &&

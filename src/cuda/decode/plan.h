@@ -21,10 +21,11 @@ struct DecodeConfig {
   std::size_t smem = 0;    // dynamic shared memory, bytes
   bool full = false;       // whole tiles: K == KP, V a multiple of the CTA tile, staged state, state outputs in the
                            // pool's dtype and aligned (the kernel's FULL form, without masks)
-  bool one = false;        // at most one token per sequence (the kernel's ONE form, register preparation): K == KP <=
+  bool one = false;        // at most one token per sequence (decode_one_kernel, register preparation): K == KP <=
                            // 128, whole V tiles, vector-aligned q, k, g rows, states absent or aligned in the pool's
                            // dtype, 1-D or no slot indices, no per-token states
-  bool one_entry = false;  // ... and every sequence is known to have at most one token: decode_one_kernel
+  bool one_multi = false;  // ... where a sequence may have more than one token (device cu_seqlens of at most N tokens):
+                           // the MULTI instance, which runs such a sequence token by token
   bool one_staged = false; // the one-token form stages the state in shared memory (always with passes > 1)
   int wide_kv = 0;          // bf16 [K,V] whole tiles at K = 128 of multi-token sequences: columns per thread (4 or 8;
                            // 0: not wide), 16 times as many per CTA, the state in registers across tokens and stored

@@ -45,7 +45,7 @@ struct DecodeCase {
 TEST(DecodePlan, OneTokenBatchTakesTheOneTokenEntry) {
   const DecodeLaunch d = DecodeCase(1, 1, 16, 16).plan();
   EXPECT_TRUE(d.cfg.one);
-  EXPECT_TRUE(d.cfg.one_entry);
+  EXPECT_FALSE(d.cfg.one_multi);  // fixed T = 1: every sequence has one token
   EXPECT_EQ(d.cfg.warps, 4);
   EXPECT_EQ(d.cfg.passes, 1);  // one CTA per SM at most: the shortest chain
   EXPECT_EQ(d.cfg.smem, 0u);   // the state goes straight to registers
@@ -57,7 +57,7 @@ TEST(DecodePlan, OneTokenKvPoolsStageTheStateAtOnePass) {
   DecodeCase c(1, 1, 16, 16);
   c.p.state.layout = StateLayout::kKV;  // [slots, HV, K, V]: K = V, the same views
   const DecodeLaunch d = c.plan();
-  EXPECT_TRUE(d.cfg.one_entry);
+  EXPECT_TRUE(d.cfg.one);
   EXPECT_EQ(d.cfg.passes, 1);
   EXPECT_TRUE(d.cfg.one_staged);  // by rows and ldmatrix, not one 4-byte load per key
   EXPECT_EQ(d.cfg.smem, cuda::decode_staged_bytes(128, 4, 128, 1));
@@ -72,7 +72,8 @@ TEST(DecodePlan, OneTokenKvPoolsStageTheStateAtOnePass) {
 
 TEST(DecodePlan, LargeBatchesStageTheStateAndPrefetchOnHopper) {
   const DecodeLaunch bf = DecodeCase(256, 1, 16, 16, DType::kBFloat16).plan();
-  EXPECT_TRUE(bf.cfg.one_entry);
+  EXPECT_TRUE(bf.cfg.one);
+  EXPECT_FALSE(bf.cfg.one_multi);
   EXPECT_TRUE(bf.stage_state);
   EXPECT_EQ(bf.cfg.passes, 4);  // 4 x 32 bf16 columns of K = 128: a 32 KB tile
   EXPECT_EQ(bf.cfg.smem, cuda::decode_staged_bytes(128, 2, 128, 4));
@@ -92,11 +93,14 @@ TEST(DecodePlan, VarlenWithDeviceLengthsTakesTheOneTokenInstance) {
   c.p.in.cu_seqlens = device_view(DType::kInt32, {9});
   c.p.state.state_indices = device_view(DType::kInt32, {8});
   const DecodeLaunch d = c.plan();
-  EXPECT_TRUE(d.cfg.one);         // at most N tokens: every sequence may have one
-  EXPECT_FALSE(d.cfg.one_entry);  // but a longer one must find the general path in the same kernel
-  EXPECT_EQ(d.tb, 1);             // staged one token at a time, so the one-token tile still fits
-  EXPECT_GE(d.cfg.smem, cuda::DecodeSmem(128, 1, 32, 0).total);
-  EXPECT_TRUE(d.tail_cta);        // device cu_seqlens: a CTA row zeroes a padded token tail, if any
+  EXPECT_TRUE(d.cfg.one);        // at most N tokens: every sequence may have one
+  EXPECT_TRUE(d.cfg.one_multi);  // but a longer one runs token by token in the same kernel
+  EXPECT_EQ(d.cfg.smem, 0u);     // v-first at one pass: the state straight to registers, no token staging
+  EXPECT_TRUE(d.tail_cta);       // device cu_seqlens: a CTA row zeroes a padded token tail, if any
+  c.p.state.layout = StateLayout::kKV;
+  const DecodeLaunch kv = c.plan();
+  EXPECT_TRUE(kv.cfg.one_multi);
+  EXPECT_EQ(kv.cfg.smem, cuda::decode_staged_bytes(128, 4, 128, 1));  // [K,V]: the staged tile alone
 }
 
 TEST(DecodePlan, VerifyWithTwoDimensionalIndicesTakesTheWholeTileForm) {

@@ -61,15 +61,20 @@ def test_one_token_form(seed, monkeypatch, lens, fixed, dtype, gate, beta, K, v_
     assert same_bits(oo, o) and same_bits(po, p), "the staged and the direct one-token form differ"
 
 
-@pytest.mark.parametrize("fixed", [True, False])
+@pytest.mark.parametrize("form", ["fixed", "varlen", "varlen-mixed"])
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_one_token_staged(seed, monkeypatch, fixed, v_first, pool_dtype):
+def test_one_token_staged(seed, monkeypatch, form, v_first, pool_dtype):
     """A batch large enough for the one-token form's staged tiles (several passes per CTA, the state in shared
     memory; chosen by the host, no override): GVA, -1 slots, has_initial_state, poisoned pool; the oracle's results
-    and the general form's bits."""
+    and the general form's bits. varlen-mixed: at most N tokens with empty sequences and a 4-token one beside, which
+    runs token by token on the staged tile."""
     N, H, HV = 80, 2, 8
-    x = make([1] * N, H, HV, 128, dtype=torch.bfloat16, fixed=fixed)
+    lens = [1] * N
+    if form == "varlen-mixed":
+        lens[5] = lens[9] = lens[10] = 0
+        lens[20] = 4
+    x = make(lens, H, HV, 128, dtype=torch.bfloat16, fixed=form == "fixed")
     P = 2 * N
     idx = torch.randperm(P, device=DEV)[:N].to(torch.int32)
     idx[::7] = -1
@@ -87,8 +92,8 @@ def test_one_token_staged(seed, monkeypatch, fixed, v_first, pool_dtype):
     ro = zero_padding(ro, x, idx.tolist())
     close("o", o, ro, tol(x, pool_dtype))
     used = [(n, s) for n, s in enumerate(idx.tolist()) if s >= 0]
-    close("slots", torch.stack([kv(p[s], v_first) for _, s in used]), torch.stack([rs[n][-1] for n, _ in used]),
-          tol(x, pool_dtype))
+    close("slots", torch.stack([kv(p[s], v_first) for _, s in used]),
+          torch.stack([rs[n][-1] if rs[n] else h0[n] for n, _ in used]), tol(x, pool_dtype))
     untouched = torch.ones(P, dtype=torch.bool, device=DEV)
     untouched[idx[idx >= 0].long()] = False
     assert same_bits(p[untouched], pool[untouched])
