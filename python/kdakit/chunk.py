@@ -9,7 +9,7 @@ import torch
 from . import _C
 from ._torch import (dense, gate_mode, host_cu_seqlens, num_chunks, num_sequences, state_shape, tracked,
                      unit_last_stride)
-from .ops import chunk_fwd_into, forward_only
+from .ops import chunk_forward, chunk_forward_into, forward_only
 
 InvalidArgumentError = _C.InvalidArgumentError
 
@@ -157,8 +157,8 @@ def chunk_kda(
     if save_states:
         cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu) if varlen else None
         chunks = num_chunks(q.shape[1], q.shape[0], cu, chunk_size)
-    o, ht, _ = torch.ops.kdakit.chunk_fwd(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, gate, lb,
+    o, ht, _ = chunk_forward(
+        grad_inputs, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, gate, lb,
         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, chunk_size,
         state_v_first, output_final_state, chunks if save_states else -1, save_states)
     return o, (ht if output_final_state else None)
@@ -175,8 +175,8 @@ def _forward_only(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_
                "(the intermediate states and state pools carry no gradient)")
     if not serving:
         with torch.no_grad():
-            o, ht, h = torch.ops.kdakit.chunk_fwd(
-                q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, gate, lb,
+            o, ht, h = chunk_forward(
+                (), q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, gate, lb,
                 qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size, state_v_first, output_final_state,
                 chunks, False)
         return forward_only(message, grad_inputs, o, ht if output_final_state else None, h)
@@ -208,9 +208,9 @@ def _forward_only(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_
             gate, lb, qk_l2norm, beta_sigmoid, allow_neg_eigval, safe_gate, chunk_size, state_v_first)
     if grad_inputs:
         with torch.no_grad():
-            chunk_fwd_into(*args)
+            chunk_forward_into(*args)
     else:
-        chunk_fwd_into(*args)
+        chunk_forward_into(*args)
     ret_final = final_state if (output_final_state or final_is_initial) else None
     outs = forward_only(message, grad_inputs, out, ret_final, h)
     return outs if return_intermediate_states else outs[:2]

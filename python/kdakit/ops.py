@@ -101,12 +101,12 @@ def _chunk_outputs(q, v, N, output_final_state, num_chunks, state_v_first, varle
     return o, ht, h
 
 
-@torch.library.custom_op("kdakit::chunk_fwd", mutates_args=())
-def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
-              dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-              cu_seqlens_cpu: Optional[Tensor], scale: float, gate: int, lower_bound: float, qk_l2norm: bool,
-              beta_sigmoid: bool, allow_neg_eigval: bool, safe_gate: bool, chunk_size: int, state_v_first: bool,
-              output_final_state: bool, num_chunks: int, save_states: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _chunk_fwd_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
+                    dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                    cu_seqlens_cpu: Optional[Tensor], scale: float, gate: int, lower_bound: float, qk_l2norm: bool,
+                    beta_sigmoid: bool, allow_neg_eigval: bool, safe_gate: bool, chunk_size: int,
+                    state_v_first: bool, output_final_state: bool, num_chunks: int,
+                    save_states: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (o, final_state or empty, chunk-start states or empty); num_chunks < 0: no chunk states. save_states:
     the chunk states are float32, for the backward to read instead of recomputing them (disable_recompute)."""
     N = num_sequences(q, cu_seqlens)
@@ -126,6 +126,18 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: O
         p.intermediate_states = view(h)
     _run_forward(p, q)
     return o, ht, h
+
+
+chunk_fwd = torch.library.custom_op("kdakit::chunk_fwd", _chunk_fwd_impl, mutates_args=())
+
+
+def chunk_forward(tracked_inputs: tuple, *args):
+    """Chunked forward entry: the custom op where autograd records the call (tracked_inputs: the inputs it would
+    record through) or torch.compile traces it, the implementation directly otherwise. The dispatcher's overhead is a
+    share of a call's host time, which the GPU waits for whenever it runs ahead (docs/perf-notes.md)."""
+    if tracked_inputs or torch.compiler.is_compiling():
+        return torch.ops.kdakit.chunk_fwd(*args)
+    return _chunk_fwd_impl(*args)
 
 
 @chunk_fwd.register_fake
@@ -300,14 +312,14 @@ torch.library.register_autograd("kdakit::chunk_fwd", _backward, setup_context=_s
 # Chunked forward into caller buffers (serving prefill).
 
 
-@torch.library.custom_op("kdakit::chunk_fwd_into", mutates_args=("out", "final_state", "intermediate_states"))
-def chunk_fwd_into(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
-                   dt_bias: Optional[Tensor], initial_state: Optional[Tensor], out: Tensor,
-                   final_state: Optional[Tensor], intermediate_states: Optional[Tensor],
-                   cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor], state_indices: Optional[Tensor],
-                   has_initial_state: Optional[Tensor], pad_slot_id: int, final_is_initial: bool, scale: float,
-                   gate: int, lower_bound: float, qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool,
-                   safe_gate: bool, chunk_size: int, state_v_first: bool) -> None:
+def _chunk_fwd_into_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
+                         dt_bias: Optional[Tensor], initial_state: Optional[Tensor], out: Tensor,
+                         final_state: Optional[Tensor], intermediate_states: Optional[Tensor],
+                         cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor],
+                         state_indices: Optional[Tensor], has_initial_state: Optional[Tensor], pad_slot_id: int,
+                         final_is_initial: bool, scale: float, gate: int, lower_bound: float, qk_l2norm: bool,
+                         beta_sigmoid: bool, allow_neg_eigval: bool, safe_gate: bool, chunk_size: int,
+                         state_v_first: bool) -> None:
     """final_is_initial: final_state is a pool that is also read (initial_state must then be None)."""
     p = _C.ForwardParams()
     fill_inputs(p.inputs, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale, gate, lower_bound,
@@ -319,6 +331,19 @@ def chunk_fwd_into(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_l
     p.out = view(out)
     p.intermediate_states = view(intermediate_states)
     _run_forward(p, q)
+
+
+chunk_fwd_into = torch.library.custom_op("kdakit::chunk_fwd_into", _chunk_fwd_into_impl,
+                                         mutates_args=("out", "final_state", "intermediate_states"))
+
+
+def chunk_forward_into(*args) -> None:
+    """Serving prefill entry (no autograd): the custom op while torch.compile traces, the implementation directly
+    otherwise (as chunk_forward)."""
+    if torch.compiler.is_compiling():
+        torch.ops.kdakit.chunk_fwd_into(*args)
+    else:
+        _chunk_fwd_into_impl(*args)
 
 
 @chunk_fwd_into.register_fake

@@ -362,6 +362,31 @@ def test_torch_compile_fullgraph(seed):
         assert torch.equal(a, b)
 
 
+def test_eager_calls_take_the_implementation_directly(seed, monkeypatch):
+    """Without autograd (and outside torch.compile) chunk_kda and its serving prefill call their implementation
+    directly; with an input that requires grad, chunk_kda goes through the custom op, which autograd records (a
+    gradient comes back). Both give the same bits."""
+    direct = []
+    impl, impl_into = kdakit.ops._chunk_fwd_impl, kdakit.ops._chunk_fwd_into_impl
+    monkeypatch.setattr(kdakit.ops, "_chunk_fwd_impl", lambda *a: direct.append("fwd") or impl(*a))
+    monkeypatch.setattr(kdakit.ops, "_chunk_fwd_into_impl", lambda *a: direct.append("into") or impl_into(*a))
+    x = inputs(1, 70, 2, 4, 16, use_gate=True)
+    kw = dict(output_final_state=True, use_gate_in_kernel=True, A_log=x["A_log"], use_qk_l2norm_in_kernel=True)
+    o1, h1 = kdakit.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+    assert direct == ["fwd"]
+    q = x["q"].clone().requires_grad_()
+    o2, h2 = kdakit.chunk_kda(q, x["k"], x["v"], x["g"], x["beta"], **kw)
+    assert direct == ["fwd"], "a call autograd records must go through the custom op"
+    assert o2.grad_fn is not None
+    (dq,) = torch.autograd.grad(o2.sum(), q)
+    assert torch.isfinite(dq).all() and dq.abs().sum() > 0
+    assert torch.equal(o1, o2.detach()) and torch.equal(h1, h2.detach())
+    out = torch.full_like(o1, float("nan"))
+    kdakit.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], out=out, **kw)
+    assert direct == ["fwd", "into"]
+    assert torch.equal(out, o1)
+
+
 @pytest.mark.parametrize("v_first", [False, True])
 def test_initial_state_gradient_alone(seed, device, v_first):
     """kdakit::chunk_bwd_initial_state (BackwardParams::d_initial_state_only) gives the whole backward's initial-state
