@@ -2,9 +2,9 @@
 its state staged over several passes) and T = 4 (verify: 2-D slot ids, random accepted counts, the state written after
 every token), fp32 and bf16 pools, v-first on a pool with spare slots (int64 slot ids) and [K,V] on a pool of exactly
 the named slots; and varlen calls of at most N tokens with device cu_seqlens in both layouts, with empty sequences and
-a 3-token one (the one-token form's MULTI instance, which runs it token by token). Each CUDA call is checked against the CPU path of the same call on the same inputs (outputs and pool
-within 8e-3 relative RMS), and the slots no call names must stay bit for bit as they were. Exits non-zero if a check
-fails."""
+a 3-token one (the one-token form's MULTI instance, which runs it token by token). Each CUDA call is checked against
+the CPU path of the same call on the same inputs (outputs and pool within 8e-3 relative RMS), and the slots no call
+names must stay bit for bit as they were. Exits non-zero if a check fails."""
 import sys
 
 import torch

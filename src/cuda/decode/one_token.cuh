@@ -15,9 +15,9 @@ namespace decode_detail {
 // The whole call for this CTA's tile (all its passes). Its sequence has at most one token, or (MULTI: varlen calls
 // of at most N tokens whose lengths the host could not read) any number, a longer one run token by token, each token
 // exactly as a one-token sequence's (the same loads, preparation and token math, the state in registers between
-// tokens, as the general form keeps it). Needs what the host checked (DecodeConfig::one): K == KP, whole V tiles, vector-aligned token rows and states in the pool's
-// dtype, 1-D or no slot indices, no per-token states, q, k, v, g, beta and out of one dtype (In), dt_bias and A_log
-// float32. Element types are compile-time here: at small batches a CTA's time is mostly the fetch of the
+// tokens, as the general form keeps it). Needs what the host checked (DecodeConfig::one): K == KP, whole V tiles,
+// vector-aligned token rows and states in the pool's dtype, 1-D or no slot indices, no per-token states, q, k, v,
+// g, beta and out of one dtype (In), dt_bias and A_log float32. Element types are compile-time here: at small batches a CTA's time is mostly the fetch of the
 // instructions it runs (docs/perf-notes.md), and run-time dtype switches per load multiply them.
 // A sequence's scalars for the one-token form, loaded before anything waits (int32 slot ids and cu_seqlens: the
 // host checked). The slot's load starts the chain slot -> state -> token math, so it is the kernel's first load.
