@@ -17,6 +17,16 @@ from torch import Tensor
 from . import _C
 from ._torch import PRE_GATED, fill_inputs, layout, num_sequences, state_shape, stream_of, view, workspace
 
+
+def _op_or_impl(op, impl, tracked_inputs: tuple, args: tuple):
+    """A call's entry: the custom op where autograd records the call (tracked_inputs: the inputs it would record
+    through) or torch.compile traces it, the implementation directly otherwise. The dispatcher's overhead is a share
+    of a call's host time, which the GPU waits for whenever it runs ahead (docs/perf-notes.md)."""
+    if tracked_inputs or torch.compiler.is_compiling():
+        return op(*args)
+    return impl(*args)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Chunked forward, functional and differentiable.
 
@@ -132,12 +142,8 @@ chunk_fwd = torch.library.custom_op("kdakit::chunk_fwd", _chunk_fwd_impl, mutate
 
 
 def chunk_forward(tracked_inputs: tuple, *args):
-    """Chunked forward entry: the custom op where autograd records the call (tracked_inputs: the inputs it would
-    record through) or torch.compile traces it, the implementation directly otherwise. The dispatcher's overhead is a
-    share of a call's host time, which the GPU waits for whenever it runs ahead (docs/perf-notes.md)."""
-    if tracked_inputs or torch.compiler.is_compiling():
-        return torch.ops.kdakit.chunk_fwd(*args)
-    return _chunk_fwd_impl(*args)
+    """Chunked forward entry (_op_or_impl)."""
+    return _op_or_impl(torch.ops.kdakit.chunk_fwd, _chunk_fwd_impl, tracked_inputs, args)
 
 
 @chunk_fwd.register_fake
@@ -338,12 +344,8 @@ chunk_fwd_into = torch.library.custom_op("kdakit::chunk_fwd_into", _chunk_fwd_in
 
 
 def chunk_forward_into(*args) -> None:
-    """Serving prefill entry (no autograd): the custom op while torch.compile traces, the implementation directly
-    otherwise (as chunk_forward)."""
-    if torch.compiler.is_compiling():
-        torch.ops.kdakit.chunk_fwd_into(*args)
-    else:
-        _chunk_fwd_into_impl(*args)
+    """Serving prefill entry (no autograd; _op_or_impl)."""
+    _op_or_impl(torch.ops.kdakit.chunk_fwd_into, _chunk_fwd_into_impl, (), args)
 
 
 @chunk_fwd_into.register_fake
@@ -383,12 +385,8 @@ def _(*args, **kwargs):
 
 
 def recurrent_into(*args) -> None:
-    """Decode entry: the custom op while torch.compile traces, the implementation directly otherwise (a decode
-    step is short, so the dispatcher's overhead would show)."""
-    if torch.compiler.is_compiling():
-        torch.ops.kdakit.recurrent_fwd_into(*args)
-    else:
-        _recurrent_impl(*args)
+    """Decode entry (no autograd; _op_or_impl)."""
+    _op_or_impl(torch.ops.kdakit.recurrent_fwd_into, _recurrent_impl, (), args)
 
 
 # ----------------------------------------------------------------------------------------------------------
